@@ -1,0 +1,1 @@
+"""The language-model side: models and tokenizers, rollout engines, the GRPO learner, checkpoints."""

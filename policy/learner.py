@@ -1,0 +1,182 @@
+"""The GRPO learner: advantages and filters over a step's groups, then clipped policy-gradient epochs.
+
+Algorithm-blind below ``prepare``: it trains on flat :class:`~policy.records.Trajectory` records whose
+guidance has been stripped (``Trajectory.training_view``). Departures from the papers are listed in
+``docs/algorithms.md``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+
+from policy import grpo
+from policy.records import Trajectory
+
+
+@dataclass(frozen=True)
+class LearnerSettings:
+    lr: float = 1e-3
+    schedule: str = "constant"  # constant | linear | cosine
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    epochs: int = 2
+    minibatch_size: int = 32
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    loss_agg: str = "token_mean"
+    adv_scale: str = "std"
+    kl_coef: float = 0.0
+    grad_clip: float = 1.0
+    drop_zero_variance: bool = True
+    mask_all_tools_failed: bool = True
+    entropy_coef: float = 0.0
+    temperature: float = 1.0  # logits are divided by the rollout temperature, as the behaviour's were
+    max_tokens: int = 96  # Dr.GRPO's constant normaliser: the most tokens a rollout can generate
+
+
+@dataclass
+class PreparedBatch:
+    trajectories: list[Trajectory]
+    advantages: list[float]
+    stats: dict[str, float]
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    def f(i: int) -> float:
+        if warmup and i < warmup:
+            return (i + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        frac = min(1.0, (i - warmup) / max(1, total - warmup))
+        if schedule == "linear":
+            return 1.0 - frac
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * frac))
+        raise ValueError(f"learner.schedule: unknown '{schedule}' (constant, linear, cosine)")
+
+    return f
+
+
+class GRPOLearner:
+    def __init__(self, model: torch.nn.Module, settings: LearnerSettings, total_updates: int, pad_id: int):
+        self.model = model
+        self.s = settings
+        self.pad_id = pad_id
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(settings.schedule, settings.warmup_steps, total_updates))
+        self.ref_model = None
+        if settings.kl_coef > 0:
+            self.ref_model = copy.deepcopy(model).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+        self.updates = 0
+
+    # ------------------------------------------------------------------ advantages and filters
+    def prepare(self, trajs: list[Trajectory]) -> PreparedBatch:
+        """Group-relative advantages, then the TAO-RL filters. Returns what will be trained on."""
+        n = len(trajs)
+        if n == 0:
+            return PreparedBatch([], [], {"kept": 0.0, "zero_variance_groups": 0.0, "groups": 0.0})
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)  # (N,)
+        _, group_index = torch.unique(torch.tensor([t.group for t in trajs]), return_inverse=True)  # (N,)
+        adv = grpo.group_advantages(rewards, group_index, scale=self.s.adv_scale)  # (N,)
+        zero_var = grpo.zero_variance_mask(rewards, group_index)  # (N,)
+        keep = torch.ones(n, dtype=torch.bool)
+        if self.s.drop_zero_variance:
+            keep &= ~zero_var
+        all_failed = torch.tensor([(lambda c: c[0] > 0 and c[0] == c[1])(t.tool_calls()) for t in trajs])
+        if self.s.mask_all_tools_failed:
+            keep &= ~all_failed
+        n_groups = int(group_index.max()) + 1
+        zv_groups = len(set(group_index[zero_var].tolist()))
+        idx = keep.nonzero().flatten().tolist()
+        stats = {
+            "groups": float(n_groups),
+            "zero_variance_groups": float(zv_groups),
+            "zero_variance_share": zv_groups / n_groups,
+            "all_tools_failed": float(all_failed.sum()),
+            "kept": float(len(idx)),
+        }
+        return PreparedBatch([trajs[i] for i in idx], [float(adv[i]) for i in idx], stats)
+
+    # ------------------------------------------------------------------ forward
+    def _batch(self, trajs: list[Trajectory], advs: list[float]):
+        views = [t.training_view() for t in trajs]
+        B, L = len(views), max(len(v[0]) for v in views)
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((B, L), dtype=torch.long)
+        mask = torch.zeros((B, L))
+        old = torch.zeros((B, L))
+        post_tool = torch.zeros((B, L), dtype=torch.bool)
+        for b, (i, m, lp, turn, _) in enumerate(views):
+            n = len(i)
+            ids[b, :n], attn[b, :n] = torch.tensor(i), 1
+            mask[b, :n], old[b, :n] = torch.tensor(m, dtype=torch.float), torch.tensor(lp)
+            post_tool[b, :n] = torch.tensor([t >= 1 for t in turn])
+        adv = torch.tensor(advs, dtype=torch.float)[:, None].expand(B, L - 1)  # (B, T)
+        # token k is predicted from position k-1: shift everything that describes targets by one
+        return ids, attn, mask[:, 1:], old[:, 1:], post_tool[:, 1:] & (mask[:, 1:] > 0), adv
+
+    def _logits(self, model, ids, attn) -> torch.Tensor:
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # (B, T, V)
+        return logits / self.s.temperature if self.s.temperature > 0 else logits
+
+    # ------------------------------------------------------------------ update
+    def update(self, batch: PreparedBatch, generator: torch.Generator) -> dict[str, float]:
+        """``epochs`` passes of minibatch PPO-clip steps over the prepared trajectories."""
+        s = self.s
+        n = len(batch.trajectories)
+        agg: dict[str, list[float]] = {}
+        if n == 0:
+            return {"skipped": 1.0}
+        self.model.train()
+        for _ in range(s.epochs):
+            order = torch.randperm(n, generator=generator).tolist()
+            for i in range(0, n, s.minibatch_size):
+                sel = order[i : i + s.minibatch_size]
+                ids, attn, mask, old, shape_mask, adv = self._batch(
+                    [batch.trajectories[j] for j in sel], [batch.advantages[j] for j in sel])
+                logits = self._logits(self.model, ids, attn)  # (B, T, V)
+                logp = grpo.gather_logprobs(logits, ids[:, 1:])  # (B, T)
+                ent = grpo.token_entropy(logits.detach())  # (B, T)
+                if s.entropy_coef:
+                    adv = grpo.entropy_shaped_advantages(adv, ent, shape_mask, mask, s.entropy_coef)
+                ref = None
+                if self.ref_model is not None:
+                    with torch.no_grad():
+                        ref = grpo.gather_logprobs(self._logits(self.ref_model, ids, attn), ids[:, 1:])
+                loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, s.eps_low, s.eps_high, s.loss_agg,
+                                              max_tokens=s.max_tokens, ref_logp=ref, kl_coef=s.kl_coef)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip if s.grad_clip > 0 else float("inf"))
+                if not torch.isfinite(loss) or not torch.isfinite(gn):
+                    self.optimizer.zero_grad(set_to_none=True)  # never step on a NaN; count it instead
+                    agg.setdefault("nonfinite_skipped", []).append(1.0)
+                    continue
+                self.optimizer.step()
+                self.scheduler.step()
+                self.updates += 1
+                st = dict(st, loss=float(loss), grad_norm=float(gn),
+                          entropy=float((ent * mask).sum() / mask.sum().clamp(min=1)))
+                for k, v in st.items():
+                    agg.setdefault(k, []).append(float(v))
+        out = {k: sum(v) / len(v) for k, v in agg.items() if k != "nonfinite_skipped"}
+        out["nonfinite_skipped"] = float(len(agg.get("nonfinite_skipped", [])))
+        out["lr"] = float(self.scheduler.get_last_lr()[0])
+        out["updates"] = float(self.updates)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.updates = int(state["updates"])

@@ -1,0 +1,98 @@
+"""The rollout -> learner contract: one flat record per trajectory.
+
+The engine fills it, the environment scores it, the learner reads only these fields. Guidance (a hint message
+or a plan) is kept in the record *as sampled* and marked, so the learner can strip it from the training
+context; tokens the policy did not generate (tool observations, injected steps) are never trained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+
+class Origin(IntEnum):
+    """Where each response token came from."""
+
+    POLICY = 0  # sampled from the policy: trained, with a behaviour log-prob
+    TOOL = 1  # tool observation and chat-template glue: context only
+    GUIDANCE = 2  # hint text inserted mid-trajectory: present when sampling, stripped for training
+    INJECTED = 3  # an action written into the policy's turn by an intervention: context only, kept
+
+
+@dataclass
+class Guidance:
+    """Extra context for a rollout that the learner strips before the training forward pass.
+
+    ``plan`` is appended to the user message (ActGuide-style plan hint); ``hint`` is inserted as a user
+    message at the branch point (RTI-style rubric hint); ``inject`` is an action text written as the policy's
+    own turn at the branch point, executed by the environment (guided step).
+    """
+
+    plan: str | None = None
+    hint: str | None = None
+    inject: str | None = None
+
+    def is_empty(self) -> bool:
+        return self.plan is None and self.hint is None and self.inject is None
+
+
+@dataclass
+class Trajectory:
+    """One multi-turn episode, token-in/token-out.
+
+    ``prompt_ids`` is the prompt as sampled (may contain a plan); ``train_prompt_ids`` the prompt without
+    guidance. ``ids``/``origin``/``logprobs``/``turn`` are aligned per response token (everything after the
+    prompt). ``logprobs`` are behaviour log-probs, log softmax(logits / temperature) of the sampled token, in
+    the context it was sampled in (0.0 for non-policy tokens).
+    """
+
+    task_id: str
+    family: str
+    level: int
+    group: int  # index of the group (task) within the step
+    prompt_ids: list[int]
+    train_prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    origin: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turn: list[int] = field(default_factory=list)
+    steps: list[Any] = field(default_factory=list)  # rail.envs.Step per executed turn
+    turn_texts: list[str] = field(default_factory=list)
+    done: bool = False
+    truncated: bool = False
+    n_generated: int = 0  # tokens sampled in *this* rollout (a copied prefix costs nothing)
+    prefix_turns: int = 0  # turns copied from the trajectory it branched from
+    reward: float = 0.0
+    rubric: Any = None  # rail.envs.RubricStatus
+    intervention: dict | None = None  # what was done to it (None for a base rollout)
+    guidance: Guidance | None = None
+
+    @property
+    def n_turns(self) -> int:
+        return len(self.steps)
+
+    def tool_calls(self) -> tuple[int, int]:
+        """(tool calls made, tool calls that failed), counting every turn that was not a clean answer."""
+        calls = [s for s in self.steps if not (s.done and s.ok)]
+        return len(calls), sum(1 for s in calls if not s.ok)
+
+    def training_view(self) -> tuple[list[int], list[int], list[float], list[int], list[int]]:
+        """(input ids, loss mask, behaviour log-probs, turn, origin) of the sequence the learner trains on.
+
+        The context is ``train_prompt_ids`` followed by the response with guidance tokens removed; only
+        policy tokens carry a loss mask of 1.
+        """
+        ids = list(self.train_prompt_ids)
+        n = len(ids)
+        mask, lps, turns, origin = [0] * n, [0.0] * n, [-1] * n, [int(Origin.TOOL)] * n
+        for tok, o, lp, t in zip(self.ids, self.origin, self.logprobs, self.turn):
+            if o == Origin.GUIDANCE:
+                continue
+            ids.append(tok)
+            mask.append(1 if o == Origin.POLICY else 0)
+            lps.append(lp if o == Origin.POLICY else 0.0)
+            turns.append(t)
+            origin.append(o)
+        return ids, mask, lps, turns, origin

@@ -1,0 +1,132 @@
+"""Chat rendering and the built-in word-level tokenizer.
+
+The built-in tokenizer is an ordinary ``transformers.PreTrainedTokenizerFast`` made with ``tokenizers``
+(WordLevel model, split on whitespace then on every punctuation character) and a ChatML-style chat
+template, so the engine renders prompts and tool observations through ``apply_chat_template`` exactly as
+it does for a real checkpoint with its own tokenizer.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+SPECIAL = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+ROLES = ["system", "user", "assistant", "tool"]
+
+# ChatML-like, with spaces instead of newlines because the word-level tokenizer splits on whitespace.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+
+def build_word_tokenizer(words: Iterable[str]) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``words`` (plus roles and special tokens) with the chat template."""
+    vocab: dict[str, int] = {}
+    for w in [*SPECIAL, *ROLES, *sorted(set(words))]:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(behavior="isolated")]
+    )
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token=None,
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+class ChatRenderer:
+    """Token-level chat rendering: prompts, tool-observation suffixes, hint messages, end of turn.
+
+    Suffixes are computed TRL-style, as the difference between the template applied with and without the
+    extra message, so any chat template works without knowing its format.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tok = tokenizer
+        if tokenizer.eos_token_id is None:
+            raise ValueError("tokenizer has no eos_token: set one to mark the end of an assistant turn")
+        self.end_of_turn = int(tokenizer.eos_token_id)
+        self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.end_of_turn)
+        # A fixed conversation whose suffix diffs are taken; its content never reaches the model.
+        self._dummy = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}]
+        self._dummy_ids = self._ids(self._dummy, generation_prompt=False)
+
+    def _ids(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+        out = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+        if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding in newer transformers
+            out = out["input_ids"]
+        return list(out)
+
+    def prompt(self, system: str, user: str) -> list[int]:
+        """The prompt tokens, ending with the assistant generation header."""
+        return self._ids(
+            [{"role": "system", "content": system}, {"role": "user", "content": user}], generation_prompt=True
+        )
+
+    def _suffix(self, message: dict) -> list[int]:
+        return self._suffix_many([message])
+
+    def tool_suffix(self, observation: str) -> list[int]:
+        """Tokens after an assistant turn's end: the tool message and the next assistant header."""
+        return self._suffix({"role": "tool", "content": observation})
+
+    def _suffix_many(self, messages: list[dict]) -> list[int]:
+        full = self._ids([*self._dummy, *messages], generation_prompt=True)
+        if full[: len(self._dummy_ids)] != self._dummy_ids:
+            raise ValueError("chat template is not prefix-stable; cannot render tool messages incrementally")
+        return full[len(self._dummy_ids):]
+
+    def tool_suffix_with_hint(self, observation: str, hint: str) -> tuple[list[int], int, int]:
+        """The tool suffix with a user hint message after the tool message.
+
+        Returns ``(ids, start, end)``: ``ids[start:end]`` are the hint's tokens (guidance); removing them gives
+        exactly :meth:`tool_suffix`.
+        """
+        base = self.tool_suffix(observation)
+        full = self._suffix_many([{"role": "tool", "content": observation}, {"role": "user", "content": hint}])
+        start, end = split_inserted(base, full)
+        return full, start, end
+
+    def prompt_with_hint(self, system: str, user: str, hint: str) -> tuple[list[int], list[int]]:
+        """(prompt as sampled with a hint message after the user message, prompt without it)."""
+        base = self.prompt(system, user)
+        full = self._ids(
+            [{"role": "system", "content": system}, {"role": "user", "content": user},
+             {"role": "user", "content": hint}], generation_prompt=True)
+        split_inserted(base, full)  # raises if the hint is not a clean insertion
+        return full, base
+
+    def encode_turn(self, text: str) -> list[int]:
+        """Token ids of an assistant turn's text (without the end-of-turn token)."""
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def split_inserted(base: list[int], with_extra: list[int]) -> tuple[int, int]:
+    """Where ``with_extra`` differs from ``base`` when extra messages were inserted into a conversation.
+
+    Returns ``(start, end)`` such that ``with_extra[:start] + with_extra[end:] == base``: the common prefix
+    and common suffix are shared; ``with_extra[start:end]`` is what the insertion added.
+    """
+    n = 0
+    while n < min(len(base), len(with_extra)) and base[n] == with_extra[n]:
+        n += 1
+    m = 0
+    while m < min(len(base), len(with_extra)) - n and base[-1 - m] == with_extra[-1 - m]:
+        m += 1
+    if n + m != len(base):
+        raise ValueError("inserting a message changed the rest of the rendering; cannot mark it as guidance")
+    return n, len(with_extra) - m

@@ -1,0 +1,114 @@
+"""``rail``: the command line. Arguments and config are parsed before torch is imported, so ``--help`` and
+config errors are instant and a bad config never creates an output directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from rail.config import ConfigError, build_config, load_toml, parse_set
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="post-train a policy with GRPO under a rollout budget",
+                       description="Config precedence: defaults < --preset < --config TOML < flags < --set.")
+    p.add_argument("--preset", default="default", help="named preset: default (CPU demo), smoke (tests)")
+    p.add_argument("--config", help="TOML file with [section] tables of config keys")
+    p.add_argument("--steps", type=int, help="run.steps")
+    p.add_argument("--budget", type=int, help="budget.rollouts_per_step (or tokens_per_step with unit=tokens)")
+    p.add_argument("--group-size", type=int, help="budget.group_size")
+    p.add_argument("--controller", help="controller.name")
+    p.add_argument("--seed", type=int, help="run.seed")
+    p.add_argument("--model", help="model.path: a Hugging Face model directory")
+    p.add_argument("--out", help="run.out (default runs/<run.name>)")
+    p.add_argument("--tracking-uri", help="tracking.uri ('' disables MLflow)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any field, e.g. learner.lr=5e-4")
+    p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate a checkpoint on the held-out tasks")
+    p.add_argument("--checkpoint", required=True, help="a run directory or one of its checkpoint directories")
+    p.add_argument("--tasks-per-level", type=int, help="eval.tasks_per_level")
+    p.add_argument("--temperature", type=float, help="eval.temperature (0: greedy)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON only")
+
+
+def config_from_args(a: argparse.Namespace):
+    sets: list[dict] = []
+    flag = {"steps": "run.steps", "group_size": "budget.group_size", "controller": "controller.name",
+            "seed": "run.seed", "model": "model.path", "out": "run.out", "tracking_uri": "tracking.uri"}
+    for attr, key in flag.items():
+        v = getattr(a, attr)
+        if v is not None:
+            section, name = key.split(".")
+            sets.append({section: {name: v}})
+    toml = load_toml(a.config) if a.config else None
+    unit = None
+    for d in [toml or {}, *[parse_set(s) for s in a.set]]:
+        unit = d.get("budget", {}).get("unit", unit)
+    if a.budget is not None:
+        sets.append({"budget": {"tokens_per_step" if unit == "tokens" else "rollouts_per_step": a.budget}})
+    sets.extend(parse_set(s) for s in a.set)
+    return build_config(a.preset, toml, sets)
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    if a.resume:
+        from rail.train import resume_run
+        trainer, out = resume_run(Path(a.resume), show_progress=not a.no_progress)
+    else:
+        cfg = config_from_args(a)  # validated before any directory or model exists
+        from rail.train import start_run
+        trainer, out = start_run(cfg, show_progress=not a.no_progress)
+    summary = trainer.run()
+    from rail.report import format_summary
+    print(format_summary(summary, out))
+    return 0
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    from rail.train import eval_checkpoint
+    res = eval_checkpoint(Path(a.checkpoint), tasks_per_level=a.tasks_per_level, temperature=a.temperature)
+    if a.json:
+        print(json.dumps(res, indent=1, sort_keys=True))
+    else:
+        from rail.report import format_eval
+        print(format_eval(res))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rail", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    _train_parser(sub)
+    _eval_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        argv = ["train"]  # `rail` alone runs the default demonstration
+    a = parser.parse_args(argv)
+    if a.command is None:
+        a = parser.parse_args(["train", *argv])
+    try:
+        return {"train": cmd_train, "eval": cmd_eval}[a.command](a)
+    except ConfigError as e:
+        print(f"rail: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("rail: interrupted; resume with `rail train --resume DIR`", file=sys.stderr)
+        return 130
+    except Exception as e:  # known failure kinds get one clear line, not a traceback
+        from policy.checkpoint import CheckpointError
+        from rail.train import RunError
+        if isinstance(e, (CheckpointError, RunError, FileNotFoundError)):
+            print(f"rail: error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The environment protocol: tasks, tool calls, verifiers and rubrics.
+
+An environment produces :class:`Task` objects (prompt, verifier, ordered rubric, action guide), executes
+tool calls parsed from model text, and scores trajectories. Everything is deterministic given a seed, and
+every environment keeps its held-out evaluation pool disjoint from its training pool.
+
+Tool calls are parsed with a small grammar, ``name(arg, arg, ...)``; model output is never evaluated.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+#: A call is ``name(arg, ...)``; whitespace anywhere is tolerated because a word-level tokenizer decodes
+#: ``lookup(e1, mother)`` as ``lookup ( e1 , mother )``.
+_CALL = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\((.*)\)\s*$", re.S)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One tool call: a tool name and its string arguments."""
+
+    tool: str
+    args: tuple[str, ...] = ()
+
+    def render(self) -> str:
+        return f"{self.tool}({', '.join(self.args)})"
+
+
+def parse_action(text: str) -> Action | None:
+    """Parse ``tool(arg, ...)`` from model text; ``None`` when it is not a well-formed call.
+
+    Arguments may not contain parentheses or commas; nothing is evaluated.
+    """
+    m = _CALL.match(text)
+    if m is None:
+        return None
+    inner = m.group(2).strip()
+    if "(" in inner or ")" in inner:
+        return None
+    args = tuple(a.strip() for a in inner.split(",")) if inner else ()
+    if any(a == "" for a in args):
+        return None
+    return Action(m.group(1), args)
+
+
+@dataclass(frozen=True)
+class RubricItem:
+    """One ordered, individually checkable milestone of a task.
+
+    ``kind == "call"``: holds once a successful tool call equal to ``action`` was made (the environment decides
+    equality, e.g. ``calc`` treats ``+`` and ``*`` as commutative). ``kind == "answer"``: holds when the final
+    answer equals ``action.args[0]``. ``evidence`` is what a hint may reveal about the milestone.
+    """
+
+    description: str
+    kind: str  # "call" | "answer"
+    action: Action
+    result: str | None = None
+    evidence: str = ""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One problem instance."""
+
+    id: str
+    family: str
+    level: int
+    prompt: str  # the user message
+    answer: str
+    rubric: tuple[RubricItem, ...]
+    action_guide: tuple[Action, ...]  # reference action sequence that solves the task
+
+
+@dataclass
+class Step:
+    """One executed assistant turn: what the model wrote, what was parsed and what the tool returned."""
+
+    text: str
+    action: Action | None
+    observation: str
+    ok: bool  # the tool call was well-formed and executed without error
+    done: bool  # the episode ended on this turn (an answer was given)
+
+
+@dataclass(frozen=True)
+class RubricStatus:
+    """Which rubric items hold for a trajectory (or a prefix of one).
+
+    ``first_violated`` is the index of the first item that does not hold (``None`` if all hold);
+    ``violated_turn`` is the turn at which the trajectory should have achieved it: the turn after the last
+    milestone reached before it (0 when it is the first item). It can equal ``len(steps)`` when the
+    trajectory stopped before that turn.
+    """
+
+    holds: tuple[bool, ...]
+    first_violated: int | None
+    violated_turn: int | None
+    achieved_turn: tuple[int | None, ...] = field(default=())
+
+    @property
+    def progress(self) -> float:
+        """Fraction of rubric items reached in order (items before the first violation)."""
+        n = len(self.holds)
+        k = n if self.first_violated is None else self.first_violated
+        return k / n if n else 1.0
+
+
+def rubric_status(env: "Environment", task: Task, steps: Sequence[Step]) -> RubricStatus:
+    """Evaluate ``task.rubric`` on ``steps`` (a whole trajectory or any prefix of one)."""
+    achieved: list[int | None] = []
+    for item in task.rubric:
+        turn = None
+        for t, step in enumerate(steps):
+            if env.item_holds(task, item, step):
+                turn = t
+                break
+        achieved.append(turn)
+    holds = tuple(t is not None for t in achieved)
+    first = next((k for k, h in enumerate(holds) if not h), None)
+    violated_turn = None
+    if first is not None:
+        before = [t for t in achieved[:first] if t is not None]
+        violated_turn = min(max(before) + 1 if before else 0, len(steps))
+    return RubricStatus(holds, first, violated_turn, tuple(achieved))
+
+
+class Environment(Protocol):
+    """What the training loop needs from an environment family."""
+
+    name: str
+    levels: tuple[int, ...]
+
+    def system_prompt(self) -> str:
+        """Instructions shown before every task: the tools and the call syntax."""
+
+    def vocabulary(self) -> list[str]:
+        """Every word that prompts, tool calls and observations of this family can contain."""
+
+    def sample_tasks(self, rng: np.random.Generator, levels: Sequence[int], n: int) -> list[Task]:
+        """``n`` training tasks, levels drawn uniformly from ``levels``; never a held-out task."""
+
+    def eval_tasks(self, level: int, n: int) -> list[Task]:
+        """The first ``n`` held-out tasks of ``level``; the same list for the same environment seed."""
+
+    def execute(self, task: Task, action: Action | None) -> tuple[str, bool, bool]:
+        """Run one tool call: ``(observation, ok, done)``. Malformed calls return an error observation."""
+
+    def reward(self, task: Task, steps: Sequence[Step]) -> float:
+        """The verifier: 1.0 for a correct final answer, else 0.0."""
+
+    def item_holds(self, task: Task, item: RubricItem, step: Step) -> bool:
+        """Whether ``step`` achieves rubric ``item``."""
+
+
+class ToolRunner:
+    """Adapts an environment to the rollout engine: parse an assistant turn, run the tool, return a Step.
+
+    A tool that raises becomes a failed tool call with an error observation; the run goes on.
+    """
+
+    def __init__(self, env: Environment):
+        self.env = env
+
+    def step(self, task: Task, text: str) -> Step:
+        action = parse_action(text)
+        try:
+            obs, ok, done = self.env.execute(task, action)
+        except Exception as e:  # noqa: BLE001 - any tool failure is data, not a crash
+            obs, ok, done = "error : tool failed", False, False
+        return Step(text=text, action=action, observation=obs, ok=ok, done=done)

@@ -1,0 +1,133 @@
+"""Building the policy: vocabulary, the built-in tiny model, the warm start and its on-disk cache.
+
+The warm start is supervised fine-tuning on reference trajectories (the action guide executed in the
+environment) of the easy levels only. It gives the base policy a capability boundary: it solves the easy
+levels part of the time and almost never the hard ones. Warm-started models are cached under
+``warmstart.cache_dir`` keyed by a hash of everything that determines them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from policy.model import build_tiny_model, load_policy, save_policy
+from policy.records import Origin, Trajectory
+from policy.tokenizer import ChatRenderer, build_word_tokenizer
+from rail.config import Config
+from rail.envs import Environment, ToolRunner, rubric_status
+
+log = logging.getLogger("rail")
+CACHE_VERSION = "1"  # bump when the warm-start procedure changes
+
+
+def vocabulary(envs: dict[str, Environment]) -> list[str]:
+    words: set[str] = set()
+    for env in envs.values():
+        words.update(env.vocabulary())
+    return sorted(words)
+
+
+def reference_trajectory(env: Environment, task, renderer: ChatRenderer, group: int = 0) -> Trajectory:
+    """The action guide executed turn by turn, tokenised as if the policy had written it."""
+    runner = ToolRunner(env)
+    prompt = renderer.prompt(env.system_prompt(), task.prompt)
+    tr = Trajectory(task.id, task.family, task.level, group, prompt, list(prompt))
+    for t, action in enumerate(task.action_guide):
+        text = action.render()
+        for tok in [*renderer.encode_turn(text), renderer.end_of_turn]:
+            tr.ids.append(tok), tr.origin.append(Origin.POLICY), tr.logprobs.append(0.0), tr.turn.append(t)
+        step = runner.step(task, text)
+        tr.steps.append(step)
+        tr.turn_texts.append(text)
+        if step.done:
+            tr.done = True
+            break
+        for tok in renderer.tool_suffix(step.observation):
+            tr.ids.append(tok), tr.origin.append(Origin.TOOL), tr.logprobs.append(0.0), tr.turn.append(t)
+    tr.reward = env.reward(task, tr.steps)
+    tr.rubric = rubric_status(env, task, tr.steps)
+    return tr
+
+
+def _cache_key(cfg: Config, vocab: list[str]) -> str:
+    ws = {k: v for k, v in cfg.to_dict()["warmstart"].items() if k != "cache_dir"}
+    blob = json.dumps({"v": CACHE_VERSION, "model": cfg.to_dict()["model"], "warmstart": ws,
+                       "families": cfg.env.families, "env_seed": cfg.env.seed, "seed": cfg.run.seed,
+                       "vocab": hashlib.sha256(" ".join(vocab).encode()).hexdigest()}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def sft_loss(model, trajs: list[Trajectory], pad_id: int) -> torch.Tensor:
+    views = [t.training_view() for t in trajs]
+    B, L = len(views), max(len(v[0]) for v in views)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L))
+    for b, (i, m, *_rest) in enumerate(views):
+        ids[b, : len(i)], attn[b, : len(i)], mask[b, : len(i)] = torch.tensor(i), 1, torch.tensor(m, dtype=torch.float)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # (B, T, V)
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T)
+    m = mask[:, 1:]
+    return -(logp * m).sum() / m.sum().clamp(min=1)
+
+
+def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg: Config, progress=None) -> list[float]:
+    """SFT on reference trajectories of ``warmstart.levels``; returns the loss curve."""
+    ws = cfg.warmstart
+    rng = np.random.default_rng([cfg.run.seed, 7919])
+    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + np.cos(np.pi * min(1.0, i / ws.steps))))
+    model.train()
+    losses = []
+    names = sorted(envs)
+    for i in range(ws.steps):
+        trajs = []
+        for k in range(ws.batch_size):
+            env = envs[names[k % len(names)]]
+            (task,) = env.sample_tasks(rng, ws.levels, 1)
+            trajs.append(reference_trajectory(env, task, renderer))
+        loss = sft_loss(model, trajs, renderer.pad)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss))
+        if progress is not None:
+            progress(i, float(loss))
+    model.eval()
+    return losses
+
+
+def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
+    """(model, tokenizer, info): a checkpoint from ``model.path``, or the built-in model (warm-started, cached)."""
+    if cfg.model.path:
+        model, tok = load_policy(cfg.model.path)
+        return model, tok, {"source": cfg.model.path, "warmstart": "skipped (model.path given)"}
+    vocab = vocabulary(envs)
+    key = _cache_key(cfg, vocab)
+    cache = Path(cfg.warmstart.cache_dir) / key
+    if cfg.warmstart.enabled and (cache / "config.json").is_file():
+        try:
+            model, tok = load_policy(cache)
+            return model, tok, {"source": "built-in", "warmstart": f"cached ({cache})"}
+        except (ValueError, OSError) as e:
+            log.warning("warm-start cache %s unreadable (%s); rebuilding it", cache, e)
+    tok = build_word_tokenizer(vocab)
+    m = cfg.model
+    model = build_tiny_model(len(tok), hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
+                             kv_heads=m.kv_heads, intermediate_size=m.intermediate_size,
+                             max_positions=m.max_positions, seed=cfg.run.seed,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    info = {"source": "built-in", "warmstart": "disabled"}
+    if cfg.warmstart.enabled:
+        losses = warm_start(model, ChatRenderer(tok), envs, cfg, progress)
+        save_policy(model, tok, cache)
+        info = {"source": "built-in", "warmstart": f"trained ({cache})", "warmstart_final_loss": losses[-1]}
+    return model, tok, info

@@ -1,0 +1,51 @@
+"""Readable end-of-run summaries (plain text tables, no extra dependency)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def format_eval(result: dict[str, dict[str, float]], initial: dict | None = None) -> str:
+    levels = sorted({int(lv) for rates in result.values() for lv in rates})
+    rows = []
+    for fam in sorted(result):
+        row = [fam]
+        for lv in levels:
+            v = result[fam].get(str(lv))
+            if v is None:
+                row.append("")
+            elif initial is not None:
+                row.append(f"{initial[fam][str(lv)]:.2f}->{v:.2f}")
+            else:
+                row.append(f"{v:.2f}")
+        rows.append(row)
+    return _table(rows, ["family", *[f"L{lv}" for lv in levels]])
+
+
+def format_summary(s: dict, out: Path) -> str:
+    b, e = s["budget"], s["eval"]
+    sp = b["spent"]
+    lines = [
+        "",
+        f"run {s['name']}  controller={s['controller']}  steps={s['steps']}  wall={s['wall_seconds']:.0f}s  "
+        f"model={s['model']['parameters'] / 1e6:.2f}M params",
+        f"budget: {sp['total']} {b['unit']} spent ({sp['base']} base, {sp['intervention']} intervention), "
+        f"{b['per_step']} per step",
+        "",
+        "held-out unguided success, start -> end:",
+        format_eval(e["final"], e["initial"]),
+        "",
+        f"easy levels {e['easy_levels']}: {e['easy_initial']:.3f} -> {e['easy_final']:.3f}   "
+        f"beyond {e['beyond_levels']}: {e['beyond_initial']:.3f} -> {e['beyond_final']:.3f}",
+        "boundary (levels unsolved at the start): "
+        + ", ".join(f"{f}: {v['unsolved_at_start']}" for f, v in s["boundary"].items()),
+        "time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in s["time"].items()),
+        f"outputs: {out}/summary.json, metrics.jsonl, checkpoints/",
+    ]
+    return "\n".join(lines)
