@@ -11,6 +11,7 @@ log-probs) and may carry :class:`~policy.records.Guidance` that is marked so the
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
@@ -169,6 +170,9 @@ class TransformersEngine:
         self.renderer = renderer
         self.batch_size = batch_size
         self.stats = EngineStats()
+        # transformers >= 5.2x renamed the cache argument; take whichever this version's forward accepts
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     @torch.no_grad()
     def generate(
@@ -218,6 +222,11 @@ class TransformersEngine:
         self.stats.tool_seconds += tool_clock[0]
         return out
 
+    @staticmethod
+    def _cache_of(out):
+        cache = getattr(out, "cache", None)
+        return cache if cache is not None else out.past_key_values
+
     def _sample_turn(self, eps: list[_Episode], params: SamplingParams, gen: torch.Generator, budget: list) -> None:
         """Sample one assistant turn for each episode in ``eps`` (a batch), stopping at end-of-turn."""
         device = next(self.model.parameters()).device
@@ -234,7 +243,7 @@ class TransformersEngine:
         out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=True,
                          logits_to_keep=1)
         self.stats.forward_calls += 1
-        past, logits = out.past_key_values, out.logits[:, -1]
+        past, logits = self._cache_of(out), out.logits[:, -1]
         next_pos = pos[:, -1:] + 1
         alive = torch.ones(B, dtype=torch.bool)
         texts: list[list[int]] = [[] for _ in range(B)]
@@ -265,9 +274,9 @@ class TransformersEngine:
             attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
             step_in = torch.where(alive, tok, torch.full_like(tok, pad))[:, None].to(device)
             out = self.model(input_ids=step_in, attention_mask=attn, position_ids=next_pos,
-                             past_key_values=past, use_cache=True)
+                             use_cache=True, **{self._cache_kw: past})
             self.stats.forward_calls += 1
-            past, logits = out.past_key_values, out.logits[:, -1]
+            past, logits = self._cache_of(out), out.logits[:, -1]
             next_pos = next_pos + 1
         for b, e in enumerate(eps):
             if alive[b]:  # ran out of tokens mid-turn: close the turn with an untrained end-of-turn

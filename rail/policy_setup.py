@@ -98,7 +98,7 @@ def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if progress is not None:
             progress(i, float(loss))
     model.eval()
