@@ -8,6 +8,7 @@ the field and the fix. This module imports no torch, so ``rail --help`` and conf
 from __future__ import annotations
 
 import copy
+import json
 import dataclasses
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -50,7 +51,7 @@ class ModelConfig:
 class WarmStartConfig:
     enabled: bool = F(True, "Supervised warm start on reference trajectories before RL (built-in model only).")
     levels: list[int] = F([1, 2], "Levels whose reference trajectories the warm start trains on.")
-    steps: int = F(300, "Optimizer steps of the warm start.")
+    steps: int = F(650, "Optimizer steps of the warm start.")
     batch_size: int = F(32, "Reference trajectories per warm-start step.")
     lr: float = F(3e-3, "Warm-start learning rate (AdamW, cosine decay).")
     cache_dir: str = F(".cache/rail/warmstart", "Where warm-started models are cached, keyed by their config.")
@@ -59,7 +60,7 @@ class WarmStartConfig:
 @dataclass
 class EnvConfig:
     families: list[str] = F(["lookup", "calc"], "Environment families to train and evaluate on.")
-    levels: list[int] = F([1, 2, 3, 4, 5, 6], "Levels training tasks are drawn from (uniformly).")
+    levels: list[int] = F([1, 2, 3, 4], "Levels training tasks are drawn from (uniformly).")
     seed: int = F(0, "Seed of the environments' worlds (knowledge graph); fixed across runs to compare them.")
 
 
@@ -76,7 +77,7 @@ class RolloutConfig:
 @dataclass
 class BudgetConfig:
     unit: str = F("rollouts", "What the budget counts: 'rollouts' or generated 'tokens'.")
-    rollouts_per_step: int = F(64, "Rollouts one step may generate (base groups and, later, interventions).")
+    rollouts_per_step: int = F(128, "Rollouts one step may generate (base groups and, later, interventions).")
     tokens_per_step: int = F(0, "With unit='tokens': generated tokens one step may spend (0: rollouts_per_step x max tokens of a rollout / 4).")
     group_size: int = F(8, "Base rollouts per task (the GRPO group size); at least 2.")
     total: int = F(0, "Training ends when this much (in `unit`) is spent (0: no limit, run `run.steps`).")
@@ -84,12 +85,12 @@ class BudgetConfig:
 
 @dataclass
 class LearnerConfig:
-    lr: float = F(1e-3, "AdamW learning rate.")
+    lr: float = F(1e-4, "AdamW learning rate.")
     schedule: str = F("constant", "Learning-rate schedule after warm-up: 'constant', 'linear' or 'cosine'.")
     warmup_steps: int = F(0, "Linear learning-rate warm-up, in optimizer steps.")
     weight_decay: float = F(0.0, "AdamW weight decay.")
-    epochs: int = F(2, "Optimisation passes over each step's rollouts (old log-probs are the behaviour's).")
-    minibatch_size: int = F(32, "Trajectories per optimizer step.")
+    epochs: int = F(1, "Optimisation passes over each step's rollouts (old log-probs are the behaviour's).")
+    minibatch_size: int = F(64, "Trajectories per optimizer step.")
     eps_low: float = F(0.2, "PPO clip: lower bound 1 - eps_low on the ratio.")
     eps_high: float = F(0.28, "PPO clip: upper bound 1 + eps_high (clip-higher, DAPO).")
     loss_agg: str = F("token_mean", "Loss aggregation: 'token_mean' (DAPO), 'seq_mean' (GRPO), 'dr_grpo' (constant).")
@@ -314,3 +315,20 @@ def validate(cfg: Config) -> None:
                           f"(needs {need} turns); raise rollout.max_turns")
     if cfg.controller.name not in CONTROLLERS:
         raise ConfigError(f"controller.name = {cfg.controller.name!r}: must be one of {', '.join(CONTROLLERS)}")
+
+
+def config_markdown() -> str:
+    """The field reference of docs/configuration.md, generated from the docs next to each field."""
+    lines = []
+    for sec in fields(Config):
+        sub = getattr(Config(), sec.name)
+        lines += [f"### `[{sec.name}]`", "", "| key | default | meaning |", "|---|---|---|"]
+        for f in fields(sub):
+            default = getattr(sub, f.name)
+            lines.append(f"| `{sec.name}.{f.name}` | `{json.dumps(default)}` | {f.metadata['doc']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(config_markdown())

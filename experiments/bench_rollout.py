@@ -1,0 +1,96 @@
+# Rollout throughput of the transformers engine against the model's raw batched decode rate on the same
+# shapes (the ceiling for this engine), and a training step's time split into generate / score / update.
+# Run: .venv/bin/python experiments/bench_rollout.py [--batch 64 128 256] [--steps 5]
+"""Prints one JSON line per measurement and a final JSON summary line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
+from policy.tokenizer import ChatRenderer
+from rail.config import build_config
+from rail.envs import ToolRunner, make_env
+from rail.policy_setup import make_policy
+
+
+@torch.no_grad()
+def raw_decode_rate(model, batch: int, context: int, new_tokens: int, pad: int) -> float:
+    """Tokens/s of a bare prefill + ``new_tokens`` cached decode steps at batch ``batch`` (no sampling, no tools)."""
+    ids = torch.full((batch, context), 5, dtype=torch.long)
+    t = time.perf_counter()
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    kw = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
+    tok = out.logits[:, -1].argmax(-1, keepdim=True)
+    for _ in range(new_tokens):
+        out = model(input_ids=tok, use_cache=True, **{kw: cache})
+        cache = getattr(out, "cache", None) or out.past_key_values
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+    return batch * new_tokens / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--steps", type=int, default=5, help="training steps for the time split")
+    ap.add_argument("--threads", type=int, default=0)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = build_config("default", sets=[{"tracking": {"uri": ""}}])
+    envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
+    model, tok, _ = make_policy(cfg, envs)
+    renderer = ChatRenderer(tok)
+    params = SamplingParams(cfg.rollout.temperature, 1.0, cfg.rollout.max_tokens_per_turn, cfg.rollout.max_turns)
+    results = []
+    for B in a.batch:
+        reqs = []
+        for i in range(B):
+            fam = cfg.env.families[i % len(cfg.env.families)]
+            task = envs[fam].eval_tasks(1 + (i // 2) % 4, B)[i // 8 % B]
+            reqs.append(RolloutRequest(task=task, env=ToolRunner(envs[fam]), system=envs[fam].system_prompt()))
+        eng = TransformersEngine(model, renderer, batch_size=B)
+        eng.generate(reqs[:8], params, seed=0)  # warm-up
+        eng.stats.__init__()
+        t = time.perf_counter()
+        trajs = eng.generate(reqs, params, seed=1)
+        dt = time.perf_counter() - t
+        gen = sum(tr.n_generated for tr in trajs)
+        ctx = int(sum(len(tr.prompt_ids) + len(tr.ids) for tr in trajs) / len(trajs))
+        steps_per_row = max(1, gen // B)
+        ceiling = raw_decode_rate(model, B, ctx // 2, steps_per_row, renderer.pad)
+        r = {"batch": B, "engine_tokens_per_s": round(gen / dt, 1), "raw_decode_tokens_per_s": round(ceiling, 1),
+             "engine_share_of_ceiling": round(gen / dt / ceiling, 3), "generated_tokens": gen,
+             "forward_calls": eng.stats.forward_calls, "tool_seconds": round(eng.stats.tool_seconds, 4),
+             "mean_context": ctx}
+        print(json.dumps(r), flush=True)
+        results.append(r)
+
+    from rail.train import Trainer
+    import tempfile
+    from pathlib import Path
+    cfg.warmstart.enabled = True
+    out = Path(tempfile.mkdtemp())
+    (out / "config.json").write_text("{}")
+    trainer = Trainer(cfg, out, show_progress=False)
+    split = {"generate": 0.0, "score": 0.0, "controller": 0.0, "update": 0.0}
+    for s in range(1, a.steps + 1):
+        m = trainer.step(s)
+        for k in split:
+            split[k] += m[f"time/{k}_s"]
+    tot = sum(split.values())
+    step = {"step_seconds": round(tot / a.steps, 3),
+            **{f"{k}_share": round(v / tot, 3) for k, v in split.items()}}
+    print(json.dumps(step), flush=True)
+    print(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+                      "rollout": results, "train_step": step}))
+
+
+if __name__ == "__main__":
+    main()
