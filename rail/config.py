@@ -54,6 +54,7 @@ class WarmStartConfig:
     steps: int = F(650, "Optimizer steps of the warm start.")
     batch_size: int = F(32, "Reference trajectories per warm-start step.")
     lr: float = F(3e-3, "Warm-start learning rate (AdamW, cosine decay).")
+    noise: float = F(0.4, "Share of demonstrations from an imperfect demonstrator (one wrong call, then consistent).")
     cache_dir: str = F(".cache/rail/warmstart", "Where warm-started models are cached, keyed by their config.")
 
 

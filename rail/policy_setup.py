@@ -20,7 +20,7 @@ from policy.model import build_tiny_model, load_policy, save_policy
 from policy.records import Origin, Trajectory
 from policy.tokenizer import ChatRenderer, build_word_tokenizer
 from rail.config import Config
-from rail.envs import Environment, ToolRunner, rubric_status
+from rail.envs import Action, Environment, ToolRunner, rubric_status
 
 log = logging.getLogger("rail")
 CACHE_VERSION = "1"  # bump when the warm-start procedure changes
@@ -33,16 +33,49 @@ def vocabulary(envs: dict[str, Environment]) -> list[str]:
     return sorted(words)
 
 
-def reference_trajectory(env: Environment, task, renderer: ChatRenderer, group: int = 0) -> Trajectory:
-    """The action guide executed turn by turn, tokenised as if the policy had written it."""
+def demonstration(task, rng: np.random.Generator, noise: float, alternatives: dict[str, list[str]]) -> list[Action]:
+    """The actions of one warm-start demonstration: the action guide, or with probability ``noise`` an
+    imperfect demonstrator's version of it.
+
+    The imperfect demonstrator gets one call wrong (its second argument, e.g. the relation or the operator,
+    replaced by another value the same tool takes) and then carries on consistently: every later call starts
+    from what the previous call returned and the answer is the last result. A policy imitating a mixture of
+    such demonstrators makes systematic, plausible mistakes, which reward can correct.
+    """
+    guide = list(task.action_guide)
+    calls = [i for i, a in enumerate(guide) if len(a.args) >= 2 and len(alternatives.get(a.tool, [])) > 1]
+    if not calls or rng.random() >= noise:
+        return guide
+    k = calls[int(rng.integers(len(calls)))]
+    a = guide[k]
+    wrong = [v for v in alternatives[a.tool] if v != a.args[1]]
+    guide[k] = Action(a.tool, (a.args[0], wrong[int(rng.integers(len(wrong)))], *a.args[2:]))
+    return guide
+
+
+def reference_trajectory(env: Environment, task, renderer: ChatRenderer, group: int = 0,
+                         actions: list[Action] | None = None) -> Trajectory:
+    """``actions`` (default: the action guide) executed turn by turn, tokenised as if the policy wrote them.
+
+    After a call whose result differs from the guide's, later calls chain from the actual result (their
+    first argument) and the answer is the last result, so a perturbed demonstration stays consistent.
+    """
     runner = ToolRunner(env)
     prompt = renderer.prompt(env.system_prompt(), task.prompt)
     tr = Trajectory(task.id, task.family, task.level, group, prompt, list(prompt))
-    for t, action in enumerate(task.action_guide):
+    guide = list(task.action_guide if actions is None else actions)
+    last_obs = None
+    for t, action in enumerate(guide):
+        if actions is not None and last_obs is not None:
+            if action.tool == "answer":
+                action = Action("answer", (last_obs,))
+            elif action.args:
+                action = Action(action.tool, (last_obs, *action.args[1:]))
         text = action.render()
         for tok in [*renderer.encode_turn(text), renderer.end_of_turn]:
             tr.ids.append(tok), tr.origin.append(Origin.POLICY), tr.logprobs.append(0.0), tr.turn.append(t)
         step = runner.step(task, text)
+        last_obs = step.observation if step.ok and not step.done else last_obs
         tr.steps.append(step)
         tr.turn_texts.append(text)
         if step.done:
@@ -86,12 +119,23 @@ def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg:
     model.train()
     losses = []
     names = sorted(envs)
+    alternatives: dict[str, list[str]] = {}  # values each tool's second argument takes in the action guides
+    for name in names:
+        for task in envs[name].sample_tasks(np.random.default_rng([cfg.run.seed, 7]), envs[name].levels, 200):
+            for a in task.action_guide:
+                if len(a.args) >= 2:
+                    alternatives.setdefault(a.tool, [])
+                    if a.args[1] not in alternatives[a.tool]:
+                        alternatives[a.tool].append(a.args[1])
     for i in range(ws.steps):
         trajs = []
         for k in range(ws.batch_size):
             env = envs[names[k % len(names)]]
             (task,) = env.sample_tasks(rng, ws.levels, 1)
-            trajs.append(reference_trajectory(env, task, renderer))
+            tr = reference_trajectory(env, task, renderer, actions=demonstration(task, rng, ws.noise, alternatives))
+            if not all(st.ok for st in tr.steps):  # a perturbed call left the tool's range: use the guide
+                tr = reference_trajectory(env, task, renderer)
+            trajs.append(tr)
         loss = sft_loss(model, trajs, renderer.pad)
         opt.zero_grad(set_to_none=True)
         loss.backward()

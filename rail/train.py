@@ -249,7 +249,8 @@ class Trainer:
     # ------------------------------------------------------------------ run
     def _evaluate(self, step: int) -> dict:
         t = time.perf_counter()
-        res = evaluate(self.engine, self.envs, self.cfg, seed=_seed(self.cfg.run.seed, 10_000 + step))
+        # one seed for every evaluation (common random numbers): differences between evaluations are the policy's
+        res = evaluate(self.engine, self.envs, self.cfg, seed=_seed(self.cfg.run.seed, 10_000))
         self.timings["eval"] += time.perf_counter() - t
         self.state.eval_history.append({"step": step, "budget_spent": self.ledger.used, "success": res})
         self.tracker.log_metrics({**eval_metrics(res), "eval/easy_mean": mean_over(res, self.cfg.warmstart.levels),

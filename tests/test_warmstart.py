@@ -1,0 +1,51 @@
+"""Warm-start demonstrations: the action guide solves the task; the imperfect demonstrator errs once, consistently."""
+
+import numpy as np
+import pytest
+
+from policy.records import Origin
+from policy.tokenizer import ChatRenderer, build_word_tokenizer
+from rail.envs import make_env
+from rail.policy_setup import demonstration, reference_trajectory, vocabulary
+
+ALTS = {"lookup": ["mother", "father", "boss", "friend"], "calc": ["+", "-", "*"]}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    envs = {f: make_env(f, 0) for f in ("lookup", "calc")}
+    return envs, ChatRenderer(build_word_tokenizer(vocabulary(envs)))
+
+
+@pytest.mark.parametrize("family", ["lookup", "calc"])
+def test_reference_trajectory_solves_and_trains_only_actions(setup, family):
+    envs, r = setup
+    (task,) = envs[family].sample_tasks(np.random.default_rng(0), [3], 1)
+    tr = reference_trajectory(envs[family], task, r)
+    assert tr.reward == 1.0 and tr.done and tr.rubric.first_violated is None
+    ids, mask, *_ = tr.training_view()
+    trained = r.decode([i for i, m in zip(ids, mask) if m])
+    assert trained.replace(" ", "") == "".join(a.render() for a in task.action_guide).replace(" ", "")
+
+
+@pytest.mark.parametrize("family", ["lookup", "calc"])
+def test_imperfect_demonstrator_errs_once_then_stays_consistent(setup, family):
+    envs, r = setup
+    rng = np.random.default_rng(1)
+    assert demonstration(envs[family].sample_tasks(rng, [2], 1)[0], rng, 0.0, ALTS) is not None
+    checked = 0
+    for _ in range(40):
+        (task,) = envs[family].sample_tasks(rng, [3], 1)
+        assert demonstration(task, rng, 0.0, ALTS) == list(task.action_guide)
+        acts = demonstration(task, rng, 1.0, ALTS)
+        diff = [i for i, (a, b) in enumerate(zip(acts, task.action_guide)) if a.args[1:2] != b.args[1:2]]
+        assert len(diff) == 1
+        tr = reference_trajectory(envs[family], task, r, actions=acts)
+        if not all(s.ok for s in tr.steps):
+            continue  # calc left its range; warm start falls back to the guide for these
+        checked += 1
+        obs = [s.observation for s in tr.steps]
+        for t, s in enumerate(tr.steps[1:], start=1):  # every later step chains from the previous result
+            assert s.action.args[0] == obs[t - 1]
+        assert tr.rubric.first_violated == diff[0]
+    assert checked >= 10
