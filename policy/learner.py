@@ -162,7 +162,7 @@ class GRPOLearner:
                 self.optimizer.step()
                 self.scheduler.step()
                 self.updates += 1
-                st = dict(st, loss=float(loss), grad_norm=float(gn),
+                st = dict(st, loss=float(loss.detach()), grad_norm=float(gn),
                           entropy=float((ent * mask).sum() / mask.sum().clamp(min=1)))
                 for k, v in st.items():
                     agg.setdefault(k, []).append(float(v))

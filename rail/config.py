@@ -86,7 +86,7 @@ class BudgetConfig:
 
 @dataclass
 class LearnerConfig:
-    lr: float = F(1e-4, "AdamW learning rate.")
+    lr: float = F(3e-4, "AdamW learning rate.")
     schedule: str = F("constant", "Learning-rate schedule after warm-up: 'constant', 'linear' or 'cosine'.")
     warmup_steps: int = F(0, "Linear learning-rate warm-up, in optimizer steps.")
     weight_decay: float = F(0.0, "AdamW weight decay.")
