@@ -72,6 +72,7 @@ class MlflowTracker(NullTracker):
                  parent_run_id: str | None = None):
         self.ok = True
         self.run_id = None
+        self.client = None
         try:
             import mlflow  # imported lazily: it is slow, and tracking is optional
 
@@ -124,13 +125,13 @@ class MlflowTracker(NullTracker):
                              for i in range(0, len(batch), 500)])
 
     def log_artifact(self, path: str | Path) -> None:
-        self._guard(self.client.log_artifact, self.run_id, str(path))
+        self._guard(lambda: self.client.log_artifact(self.run_id, str(path)))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self._guard(lambda: [self.client.set_tag(self.run_id, k, v) for k, v in tags.items()])
 
     def close(self, status: str = "FINISHED") -> None:
-        self._guard(self.client.set_terminated, self.run_id, status)
+        self._guard(lambda: self.client.set_terminated(self.run_id, status))
 
 
 class MultiTracker:

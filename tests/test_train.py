@@ -141,7 +141,9 @@ def test_token_budget_is_never_exceeded(tmp_path, cache_dir):
 
 
 def test_tracking_failure_does_not_stop_training(tmp_path, cache_dir):
-    cfg = smoke(tmp_path, cache_dir, uri="sqlite:////nonexistent-dir/for/sure/mlflow.db")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    cfg = smoke(tmp_path, cache_dir, uri=f"sqlite:///{blocker}/mlflow.db")
     with pytest.warns(UserWarning, match="MLflow tracking disabled"):
         trainer, out = start_run(cfg, show_progress=False)
         trainer.run()
