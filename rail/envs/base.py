@@ -10,6 +10,7 @@ Tool calls are parsed with a small grammar, ``name(arg, arg, ...)``; model outpu
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -174,3 +175,73 @@ class ToolRunner:
         except Exception as e:  # noqa: BLE001 - any tool failure is data, not a crash
             obs, ok, done = "error : tool failed", False, False
         return Step(text=text, action=action, observation=obs, ok=ok, done=done)
+
+
+def words(text: str) -> list[str]:
+    """The word-level tokenizer's view of ``text``: whitespace split, then punctuation isolated."""
+    return re.findall(r"\w+|[^\w\s]", text)
+
+
+def is_held_out(key: str) -> bool:
+    """The held-out split: a fixed fifth of all task keys, independent of seed and sampling order."""
+    return zlib.crc32(key.encode()) % 5 == 0
+
+
+class ProceduralEnv:
+    """What the built-in families share: the train/held-out split, task streams, levels and the verifier.
+
+    A subclass sets ``name``, ``levels`` and ``seed`` and implements ``_draw(rng, level) -> Task``.
+    """
+
+    name: str = ""
+    levels: tuple[int, ...] = ()
+    seed: int = 0
+
+    def _draw(self, rng: np.random.Generator, level: int) -> Task:
+        raise NotImplementedError
+
+    def _check_level(self, level: int) -> None:
+        if level not in self.levels:
+            raise ValueError(f"{self.name}: level {level} not in {self.levels}")
+
+    def sample_tasks(self, rng: np.random.Generator, levels: Sequence[int], n: int) -> list[Task]:
+        """``n`` training tasks; held-out keys are rejected and redrawn, so training never sees them."""
+        levels = list(levels)
+        for lv in levels:
+            self._check_level(lv)
+        out = []
+        while len(out) < n:
+            level = levels[int(rng.integers(len(levels)))]
+            task = self._draw(rng, level)
+            if not is_held_out(task.id):
+                out.append(task)
+        return out
+
+    def eval_tasks(self, level: int, n: int) -> list[Task]:
+        """The first ``n`` distinct held-out tasks of ``level`` from a fixed stream (seed, level).
+
+        Distinct, so a small pool (level 1 holds a few hundred tasks, a fifth held out) is not padded with
+        repeats; asking for more than the pool holds raises ValueError instead of looping forever.
+        """
+        self._check_level(level)
+        rng = np.random.default_rng([self.seed, level])
+        out, seen = [], set()
+        for _ in range(max(100_000, 1_000 * n)):
+            if len(out) >= n:
+                break
+            task = self._draw(rng, level)
+            if is_held_out(task.id) and task.id not in seen:
+                seen.add(task.id)
+                out.append(task)
+        if len(out) < n:
+            raise ValueError(f"{self.name}: level {level} has only {len(out)} held-out tasks, asked for {n}")
+        return out
+
+    def reward(self, task: Task, steps: Sequence[Step]) -> float:
+        """1.0 iff the trajectory ended with ``answer(<correct value>)``, compared as text after strip."""
+        if not steps:
+            return 0.0
+        last = steps[-1]
+        a = last.action
+        ok = last.done and a is not None and a.tool == "answer" and len(a.args) == 1
+        return 1.0 if ok and a.args[0].strip() == task.answer else 0.0

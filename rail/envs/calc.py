@@ -12,12 +12,11 @@ Arguments are parsed as plain ASCII digit strings with ``int()``; model text is 
 from __future__ import annotations
 
 import re
-import zlib
 from typing import Sequence
 
 import numpy as np
 
-from rail.envs.base import Action, RubricItem, Step, Task
+from rail.envs.base import Action, RubricItem, Step, Task, ProceduralEnv, is_held_out, words
 
 OPS = ("+", "-", "*")
 OP_WORDS = {"+": "add", "-": "subtract", "*": "multiply by"}
@@ -39,16 +38,6 @@ _TEMPLATE_WORDS = "start with add subtract multiply by what is the result answer
 _DIGITS = re.compile(r"\d+", re.ASCII)
 
 
-def words(text: str) -> list[str]:
-    """The word-level tokenizer's view of ``text``: whitespace split, then punctuation isolated."""
-    return re.findall(r"\w+|[^\w\s]", text)
-
-
-def is_held_out(key: str) -> bool:
-    """The held-out split: a fixed fifth of all task keys, independent of seed and sampling order."""
-    return zlib.crc32(key.encode()) % 5 == 0
-
-
 def apply(a: int, op: str, b: int) -> int:
     return a + b if op == "+" else a - b if op == "-" else a * b
 
@@ -65,7 +54,7 @@ def parse_number(text: str) -> int | None:
     return int(text) if len(text) <= 3 else MAX_VALUE + 1
 
 
-class CalcEnv:
+class CalcEnv(ProceduralEnv):
     """Apply ``level`` operations to a start value with ``calc(a, op, b)``, then ``answer``."""
 
     name = "calc"
@@ -104,43 +93,6 @@ class CalcEnv:
             cur = apply(cur, op, b)
         return self._task(start, ops)
 
-    def _check_level(self, level: int) -> None:
-        if level not in self.levels:
-            raise ValueError(f"{self.name}: level {level} not in {self.levels}")
-
-    def sample_tasks(self, rng: np.random.Generator, levels: Sequence[int], n: int) -> list[Task]:
-        """``n`` training tasks; held-out keys are rejected and redrawn, so training never sees them."""
-        levels = list(levels)
-        for lv in levels:
-            self._check_level(lv)
-        out = []
-        while len(out) < n:
-            level = levels[int(rng.integers(len(levels)))]
-            task = self._draw(rng, level)
-            if not is_held_out(task.id):
-                out.append(task)
-        return out
-
-    def eval_tasks(self, level: int, n: int) -> list[Task]:
-        """The first ``n`` distinct held-out tasks of ``level`` from a fixed stream (seed, level).
-
-        Distinct, so the small level-1 pool (about 500 tasks, a fifth held out) is not padded with repeats;
-        asking for more than the pool holds raises ValueError instead of looping forever.
-        """
-        self._check_level(level)
-        rng = np.random.default_rng([self.seed, level])
-        out, seen = [], set()
-        for _ in range(max(100_000, 1_000 * n)):
-            if len(out) >= n:
-                break
-            task = self._draw(rng, level)
-            if is_held_out(task.id) and task.id not in seen:
-                seen.add(task.id)
-                out.append(task)
-        if len(out) < n:
-            raise ValueError(f"{self.name}: level {level} has only {len(out)} held-out tasks, asked for {n}")
-        return out
-
     # ----------------------------------------------------------------- tools
     def system_prompt(self) -> str:
         return SYSTEM_PROMPT
@@ -177,16 +129,6 @@ class CalcEnv:
         return a, op, b
 
     # ----------------------------------------------------------------- scoring
-    def reward(self, task: Task, steps: Sequence[Step]) -> float:
-        """1.0 iff the trajectory ended with ``answer(<correct value>)``; the answer is compared as text
-        (after strip), so ``answer(09)`` for 9 is wrong: the model must write the number as shown."""
-        if not steps:
-            return 0.0
-        last = steps[-1]
-        a = last.action
-        ok = last.done and a is not None and a.tool == "answer" and len(a.args) == 1
-        return 1.0 if ok and a.args[0].strip() == task.answer else 0.0
-
     def item_holds(self, task: Task, item: RubricItem, step: Step) -> bool:
         """A call item holds for a successful ``calc`` with the same values (``+`` and ``*`` either way round;
         operands compared as integers, so ``calc(07, +, 2)`` counts for ``calc(7, +, 2)``). The answer item

@@ -13,13 +13,11 @@ word-level tokenizer built from that vocabulary.
 
 from __future__ import annotations
 
-import re
-import zlib
 from typing import Sequence
 
 import numpy as np
 
-from rail.envs.base import Action, RubricItem, Step, Task
+from rail.envs.base import Action, RubricItem, Step, Task, ProceduralEnv, is_held_out, words
 
 RELATIONS = ("mother", "father", "boss", "friend", "mentor", "neighbor")
 
@@ -39,17 +37,7 @@ SYSTEM_PROMPT = ("you are a search agent . call lookup ( entity , relation ) to 
 _TEMPLATE_WORDS = "start at follow then which entity do you reach the of is answer ( ) , . ? : - >"
 
 
-def words(text: str) -> list[str]:
-    """The word-level tokenizer's view of ``text``: whitespace split, then punctuation isolated."""
-    return re.findall(r"\w+|[^\w\s]", text)
-
-
-def is_held_out(key: str) -> bool:
-    """The held-out split: a fixed fifth of all task keys, independent of seed and sampling order."""
-    return zlib.crc32(key.encode()) % 5 == 0
-
-
-class LookupEnv:
+class LookupEnv(ProceduralEnv):
     """Follow ``level`` relations from a start entity with ``lookup(entity, relation)``, then ``answer``."""
 
     name = "lookup"
@@ -95,43 +83,6 @@ class LookupEnv:
         rels = [RELATIONS[int(i)] for i in rng.integers(len(RELATIONS), size=level)]
         return self._task(start, rels)
 
-    def _check_level(self, level: int) -> None:
-        if level not in self.levels:
-            raise ValueError(f"{self.name}: level {level} not in {self.levels}")
-
-    def sample_tasks(self, rng: np.random.Generator, levels: Sequence[int], n: int) -> list[Task]:
-        """``n`` training tasks; held-out keys are rejected and redrawn, so training never sees them."""
-        levels = list(levels)
-        for lv in levels:
-            self._check_level(lv)
-        out = []
-        while len(out) < n:
-            level = levels[int(rng.integers(len(levels)))]
-            task = self._draw(rng, level)
-            if not is_held_out(task.id):
-                out.append(task)
-        return out
-
-    def eval_tasks(self, level: int, n: int) -> list[Task]:
-        """The first ``n`` distinct held-out tasks of ``level`` from a fixed stream (seed, level).
-
-        Distinct, so a small pool (level 1 has ``6 * n_entities`` tasks, a fifth held out) is not padded
-        with repeats; asking for more than the pool holds raises ValueError instead of looping forever.
-        """
-        self._check_level(level)
-        rng = np.random.default_rng([self.seed, level])
-        out, seen = [], set()
-        for _ in range(max(100_000, 1_000 * n)):
-            if len(out) >= n:
-                break
-            task = self._draw(rng, level)
-            if is_held_out(task.id) and task.id not in seen:
-                seen.add(task.id)
-                out.append(task)
-        if len(out) < n:
-            raise ValueError(f"{self.name}: level {level} has only {len(out)} held-out tasks, asked for {n}")
-        return out
-
     # ----------------------------------------------------------------- tools
     def system_prompt(self) -> str:
         return SYSTEM_PROMPT
@@ -156,15 +107,6 @@ class LookupEnv:
         return self.follow(entity, relation), True, False
 
     # ----------------------------------------------------------------- scoring
-    def reward(self, task: Task, steps: Sequence[Step]) -> float:
-        """1.0 iff the trajectory ended with ``answer(<correct entity>)``."""
-        if not steps:
-            return 0.0
-        last = steps[-1]
-        a = last.action
-        ok = last.done and a is not None and a.tool == "answer" and len(a.args) == 1
-        return 1.0 if ok and a.args[0].strip() == task.answer else 0.0
-
     def item_holds(self, task: Task, item: RubricItem, step: Step) -> bool:
         """A call item holds for a successful, identical lookup; the answer item for an identical answer."""
         a = step.action
