@@ -10,6 +10,7 @@ import json
 import platform
 import time
 
+import numpy as np
 import torch
 
 from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
@@ -50,10 +51,11 @@ def main() -> None:
     params = SamplingParams(cfg.rollout.temperature, 1.0, cfg.rollout.max_tokens_per_turn, cfg.rollout.max_turns)
     results = []
     for B in a.batch:
+        rng = np.random.default_rng(0)
         reqs = []
-        for i in range(B):
+        for i in range(B):  # the default training mix: both families, levels 1-4
             fam = cfg.env.families[i % len(cfg.env.families)]
-            task = envs[fam].eval_tasks(1 + (i // 2) % 4, B)[i // 8 % B]
+            (task,) = envs[fam].sample_tasks(rng, cfg.env.levels, 1)
             reqs.append(RolloutRequest(task=task, env=ToolRunner(envs[fam]), system=envs[fam].system_prompt()))
         eng = TransformersEngine(model, renderer, batch_size=B)
         eng.generate(reqs[:8], params, seed=0)  # warm-up

@@ -65,6 +65,13 @@ def _step_of(line: str) -> int:
         return 1 << 60
 
 
+def _artifacts_for(uri: str) -> str | None:
+    """Artifacts of a local SQLite store live beside the database file, not in the working directory."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///"):]).resolve().parent / "mlruns").as_uri()
+    return None
+
+
 class MlflowTracker(NullTracker):
     """MLflow run; every call is guarded, and the first failure disables the tracker with one warning."""
 
@@ -79,7 +86,7 @@ class MlflowTracker(NullTracker):
             self.mlflow = mlflow
             mlflow.set_tracking_uri(uri)
             exp = mlflow.get_experiment_by_name(experiment)
-            exp_id = exp.experiment_id if exp else mlflow.create_experiment(experiment)
+            exp_id = exp.experiment_id if exp else mlflow.create_experiment(experiment, artifact_location=_artifacts_for(uri))
             client = mlflow.MlflowClient()
             if run_id is None:
                 tags = {"mlflow.runName": run_name}
