@@ -187,6 +187,11 @@ def is_held_out(key: str) -> bool:
     return zlib.crc32(key.encode()) % 5 == 0
 
 
+ERR_MALFORMED = "error : malformed call"
+ERR_ANSWER_ARITY = "error : answer takes one value"
+ERR_TOOL = "error : unknown tool"
+
+
 class ProceduralEnv:
     """What the built-in families share: the train/held-out split, task streams, levels and the verifier.
 
@@ -194,8 +199,25 @@ class ProceduralEnv:
     """
 
     name: str = ""
+    tool: str = ""  # the family's one tool besides ``answer``
     levels: tuple[int, ...] = ()
     seed: int = 0
+
+    def _call(self, task: Task, action: Action) -> tuple[str, bool, bool]:
+        """Run a call of ``self.tool``; arity and arguments are the subclass's to check."""
+        raise NotImplementedError
+
+    def execute(self, task: Task, action: Action | None) -> tuple[str, bool, bool]:
+        """``(observation, ok, done)``. Bad calls are error observations, never exceptions."""
+        if action is None:
+            return ERR_MALFORMED, False, False
+        if action.tool == "answer":
+            if len(action.args) != 1:
+                return ERR_ANSWER_ARITY, False, False
+            return "", True, True
+        if action.tool != self.tool:
+            return ERR_TOOL, False, False
+        return self._call(task, action)
 
     def _draw(self, rng: np.random.Generator, level: int) -> Task:
         raise NotImplementedError

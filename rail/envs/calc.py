@@ -16,7 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
-from rail.envs.base import Action, RubricItem, Step, Task, ProceduralEnv, is_held_out, words
+from rail.envs.base import (ERR_ANSWER_ARITY, ERR_MALFORMED, ERR_TOOL, Action, ProceduralEnv, RubricItem,
+                            Step, Task, is_held_out, words)
 
 OPS = ("+", "-", "*")
 OP_WORDS = {"+": "add", "-": "subtract", "*": "multiply by"}
@@ -24,9 +25,6 @@ MAX_VALUE = 999
 
 ERR_CALC_ARGS = "error : calc takes a number , an operator and a number"
 ERR_RANGE = "error : out of range"
-ERR_ANSWER_ARITY = "error : answer takes one value"
-ERR_TOOL = "error : unknown tool"
-ERR_MALFORMED = "error : malformed call"
 ERRORS = (ERR_CALC_ARGS, ERR_RANGE, ERR_ANSWER_ARITY, ERR_TOOL, ERR_MALFORMED)
 
 SYSTEM_PROMPT = ("you are a calculator agent . call calc ( number , operator , number ) for each operation , "
@@ -58,6 +56,7 @@ class CalcEnv(ProceduralEnv):
     """Apply ``level`` operations to a start value with ``calc(a, op, b)``, then ``answer``."""
 
     name = "calc"
+    tool = "calc"
     levels = (1, 2, 3, 4, 5, 6, 7, 8)
 
     def __init__(self, seed: int = 0):
@@ -97,16 +96,7 @@ class CalcEnv(ProceduralEnv):
     def system_prompt(self) -> str:
         return SYSTEM_PROMPT
 
-    def execute(self, task: Task, action: Action | None) -> tuple[str, bool, bool]:
-        """``(observation, ok, done)``. Bad calls are error observations, never exceptions."""
-        if action is None:
-            return ERR_MALFORMED, False, False
-        if action.tool == "answer":
-            if len(action.args) != 1:
-                return ERR_ANSWER_ARITY, False, False
-            return "", True, True
-        if action.tool != "calc":
-            return ERR_TOOL, False, False
+    def _call(self, task: Task, action: Action) -> tuple[str, bool, bool]:
         parsed = self._operands(action)
         if parsed is None:
             return ERR_CALC_ARGS, False, False

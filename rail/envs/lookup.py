@@ -17,7 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-from rail.envs.base import Action, RubricItem, Step, Task, ProceduralEnv, is_held_out, words
+from rail.envs.base import (ERR_ANSWER_ARITY, ERR_MALFORMED, ERR_TOOL, Action, ProceduralEnv, RubricItem,
+                            Step, Task, is_held_out, words)
 
 RELATIONS = ("mother", "father", "boss", "friend", "mentor", "neighbor")
 
@@ -25,9 +26,6 @@ RELATIONS = ("mother", "father", "boss", "friend", "mentor", "neighbor")
 ERR_LOOKUP_ARITY = "error : lookup takes an entity and a relation"
 ERR_ENTITY = "error : unknown entity"
 ERR_RELATION = "error : unknown relation"
-ERR_ANSWER_ARITY = "error : answer takes one value"
-ERR_TOOL = "error : unknown tool"
-ERR_MALFORMED = "error : malformed call"
 ERRORS = (ERR_LOOKUP_ARITY, ERR_ENTITY, ERR_RELATION, ERR_ANSWER_ARITY, ERR_TOOL, ERR_MALFORMED)
 
 SYSTEM_PROMPT = ("you are a search agent . call lookup ( entity , relation ) to follow a relation , "
@@ -41,6 +39,7 @@ class LookupEnv(ProceduralEnv):
     """Follow ``level`` relations from a start entity with ``lookup(entity, relation)``, then ``answer``."""
 
     name = "lookup"
+    tool = "lookup"
     levels = (1, 2, 3, 4, 5, 6, 7, 8)
 
     def __init__(self, seed: int = 0, n_entities: int = 240):
@@ -87,16 +86,7 @@ class LookupEnv(ProceduralEnv):
     def system_prompt(self) -> str:
         return SYSTEM_PROMPT
 
-    def execute(self, task: Task, action: Action | None) -> tuple[str, bool, bool]:
-        """``(observation, ok, done)``. Bad calls are error observations, never exceptions."""
-        if action is None:
-            return ERR_MALFORMED, False, False
-        if action.tool == "answer":
-            if len(action.args) != 1:
-                return ERR_ANSWER_ARITY, False, False
-            return "", True, True
-        if action.tool != "lookup":
-            return ERR_TOOL, False, False
+    def _call(self, task: Task, action: Action) -> tuple[str, bool, bool]:
         if len(action.args) != 2:
             return ERR_LOOKUP_ARITY, False, False
         entity, relation = action.args
