@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from policy.checkpoint import (CheckpointError, latest_checkpoint, load_optimizer_state, save_checkpoint,
+from policy.checkpoint import (latest_checkpoint, load_optimizer_state, save_checkpoint,
                                verify_checkpoint, write_text_atomic)
 from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
 from policy.learner import GRPOLearner, LearnerSettings
@@ -355,13 +355,9 @@ def resume_run(out: Path, show_progress: bool = True) -> tuple[Trainer, Path]:
         raw = json.loads(cpath.read_text())
     except json.JSONDecodeError as e:
         raise RunError(f"{cpath}: corrupt ({e})") from None
-    from rail.config import Config
     cfg = merge(Config(), raw, str(cpath))
     validate(cfg)
-    try:
-        return Trainer(cfg, out, resume=True, show_progress=show_progress), out
-    except CheckpointError:
-        raise
+    return Trainer(cfg, out, resume=True, show_progress=show_progress), out
 
 
 def eval_checkpoint(path: Path, tasks_per_level: int | None = None, temperature: float | None = None) -> dict:
