@@ -45,6 +45,23 @@ class PreparedBatch:
     stats: dict[str, float]
 
 
+def pad_training_views(trajs: list[Trajectory], pad_id: int):
+    """Right-padded training views: ids, attention mask, loss mask, behaviour log-probs, post-tool flags (B, L)."""
+    views = [t.training_view() for t in trajs]
+    B, L = len(views), max(len(v[0]) for v in views)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L))
+    old = torch.zeros((B, L))
+    post_tool = torch.zeros((B, L), dtype=torch.bool)
+    for b, (i, m, lp, turn, _) in enumerate(views):
+        n = len(i)
+        ids[b, :n], attn[b, :n] = torch.tensor(i), 1
+        mask[b, :n], old[b, :n] = torch.tensor(m, dtype=torch.float), torch.tensor(lp)
+        post_tool[b, :n] = torch.tensor([t >= 1 for t in turn])
+    return ids, attn, mask, old, post_tool
+
+
 def lr_lambda(schedule: str, warmup: int, total: int):
     def f(i: int) -> float:
         if warmup and i < warmup:
@@ -106,18 +123,8 @@ class GRPOLearner:
 
     # ------------------------------------------------------------------ forward
     def _batch(self, trajs: list[Trajectory], advs: list[float]):
-        views = [t.training_view() for t in trajs]
-        B, L = len(views), max(len(v[0]) for v in views)
-        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((B, L), dtype=torch.long)
-        mask = torch.zeros((B, L))
-        old = torch.zeros((B, L))
-        post_tool = torch.zeros((B, L), dtype=torch.bool)
-        for b, (i, m, lp, turn, _) in enumerate(views):
-            n = len(i)
-            ids[b, :n], attn[b, :n] = torch.tensor(i), 1
-            mask[b, :n], old[b, :n] = torch.tensor(m, dtype=torch.float), torch.tensor(lp)
-            post_tool[b, :n] = torch.tensor([t >= 1 for t in turn])
+        ids, attn, mask, old, post_tool = pad_training_views(trajs, self.pad_id)
+        B, L = ids.shape
         adv = torch.tensor(advs, dtype=torch.float)[:, None].expand(B, L - 1)  # (B, T)
         # token k is predicted from position k-1: shift everything that describes targets by one
         return ids, attn, mask[:, 1:], old[:, 1:], post_tool[:, 1:] & (mask[:, 1:] > 0), adv

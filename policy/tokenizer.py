@@ -74,12 +74,9 @@ class ChatRenderer:
             [{"role": "system", "content": system}, {"role": "user", "content": user}], generation_prompt=True
         )
 
-    def _suffix(self, message: dict) -> list[int]:
-        return self._suffix_many([message])
-
     def tool_suffix(self, observation: str) -> list[int]:
         """Tokens after an assistant turn's end: the tool message and the next assistant header."""
-        return self._suffix({"role": "tool", "content": observation})
+        return self._suffix_many([{"role": "tool", "content": observation}])
 
     def _suffix_many(self, messages: list[dict]) -> list[int]:
         full = self._ids([*self._dummy, *messages], generation_prompt=True)

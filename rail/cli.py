@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -48,12 +47,13 @@ def config_from_args(a: argparse.Namespace):
             section, name = key.split(".")
             sets.append({section: {name: v}})
     toml = load_toml(a.config) if a.config else None
+    user_sets = [parse_set(s) for s in a.set]
     unit = None
-    for d in [toml or {}, *[parse_set(s) for s in a.set]]:
+    for d in [toml or {}, *user_sets]:
         unit = d.get("budget", {}).get("unit", unit)
     if a.budget is not None:
         sets.append({"budget": {"tokens_per_step" if unit == "tokens" else "rollouts_per_step": a.budget}})
-    sets.extend(parse_set(s) for s in a.set)
+    sets.extend(user_sets)
     return build_config(a.preset, toml, sets)
 
 

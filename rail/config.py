@@ -174,10 +174,6 @@ CHOICES = {
 }
 
 
-def _section_types() -> dict[str, type]:
-    return {f.name: f.type if isinstance(f.type, type) else get_type_hints(Config)[f.name] for f in fields(Config)}
-
-
 def _coerce(key: str, value: Any, typ: Any) -> Any:
     origin = getattr(typ, "__origin__", None)
     if origin is list:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from policy.learner import pad_training_views
 from policy.model import build_tiny_model, load_policy, save_policy
 from policy.records import Origin, Trajectory
 from policy.tokenizer import ChatRenderer, build_word_tokenizer
@@ -97,13 +98,7 @@ def _cache_key(cfg: Config, vocab: list[str]) -> str:
 
 
 def sft_loss(model, trajs: list[Trajectory], pad_id: int) -> torch.Tensor:
-    views = [t.training_view() for t in trajs]
-    B, L = len(views), max(len(v[0]) for v in views)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    mask = torch.zeros((B, L))
-    for b, (i, m, *_rest) in enumerate(views):
-        ids[b, : len(i)], attn[b, : len(i)], mask[b, : len(i)] = torch.tensor(i), 1, torch.tensor(m, dtype=torch.float)
+    ids, attn, mask, _, _ = pad_training_views(trajs, pad_id)
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # (B, T, V)
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T)
     m = mask[:, 1:]
