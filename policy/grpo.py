@@ -17,6 +17,8 @@ Sources:
   surrogate objective.
 * k3 -- J. Schulman, "Approximating KL Divergence" (2020 note): the unbiased, non-negative estimator
   ``exp(r) - r - 1`` with ``r = log ref - log pi``.
+* LUFFY -- Yan et al. 2025, "Learning to Reason under Off-Policy Guidance" (arXiv:2504.14945): policy
+  shaping ``f(pi) = pi / (pi + gamma)`` on off-policy tokens, without clipping.
 * TAO-RL -- the tool-agent recipe this project follows: drop zero-variance groups, and scale the advantage of
   the assistant turn right after a tool result by the standardised token entropy.
 
@@ -249,9 +251,32 @@ def entropy_shaped_advantages(adv: Tensor, entropy: Tensor, shape_mask: Tensor, 
 
 
 # ---------------------------------------------------------------------------------------------- loss
+def shift_measure(train_logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> Tensor:
+    """How far an intervened trajectory is from what the policy would do, one value per sequence.
+
+    ``shift_b = mean_t (behaviour_logp - train_logp)`` over the masked tokens of row ``b``: the mean log-ratio
+    between the context the tokens were sampled in (with guidance) and the training context (without it),
+    under the same weights. 0 for a row with no masked token. Large values mean the guidance made these
+    tokens far likelier than the policy alone would; the shift filter drops rows above a threshold.
+
+    Args:
+        train_logp: (B, T) log-probs of the tokens in the training context.
+        behaviour_logp: (B, T) log-probs recorded when they were sampled.
+        mask: (B, T) the tokens that were sampled under guidance.
+
+    Returns:
+        (B,) mean log-ratio per row.
+    """
+    m = _as_bool(mask)  # (B, T)
+    diff = torch.where(m, behaviour_logp - train_logp, torch.zeros_like(train_logp))  # (B, T)
+    n = m.sum(dim=-1)  # (B,)
+    return torch.where(n > 0, diff.sum(dim=-1) / n.clamp(min=1), torch.zeros_like(diff[:, 0]))  # (B,)
+
+
 def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps_low: float, eps_high: float,
                   aggregation: str, max_tokens: int | None = None, ref_logp: Tensor | None = None,
-                  kl_coef: float = 0.0) -> tuple[Tensor, dict[str, float]]:
+                  kl_coef: float = 0.0, offpolicy_mask: Tensor | None = None,
+                  shaping_gamma: float = 0.0) -> tuple[Tensor, dict[str, float]]:
     """Clipped policy-gradient loss with clip-higher and an optional k3 KL penalty.
 
     ``rho_t = exp(logp_t - old_logp_t)``
@@ -259,6 +284,10 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
     asymmetric bounds = clip-higher, DAPO, Yu et al. 2025)
     ``l_t += kl_coef * k3(logp_t, ref_logp_t)``   when ``ref_logp`` is given and ``kl_coef > 0`` (GRPO)
     ``loss = aggregate(l, mask, aggregation, max_tokens)``
+
+    With ``shaping_gamma > 0``, tokens in ``offpolicy_mask`` (sampled under guidance) use LUFFY's policy
+    shaping instead: ``l_t = -f(pi_t) A_t`` with ``f(pi) = pi / (pi + gamma)``, ``pi_t = exp(logp_t)``, no
+    clipping; it keeps the gradient of low-probability guided tokens from vanishing.
 
     ``old_logp`` and ``ref_logp`` are treated as constants (detached). The gradient flows through ``logp``
     only; a token whose clipped branch binds has zero policy-gradient.
@@ -301,6 +330,13 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
     surr = ratio * adv  # (B, T)
     surr_clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv  # (B, T)
     pg = -torch.minimum(surr, surr_clipped)  # (B, T)
+    shaped = None
+    if shaping_gamma > 0 and offpolicy_mask is not None:
+        if offpolicy_mask.shape != logp.shape:
+            raise ValueError(f"offpolicy_mask must be (B, T) like logp; got {tuple(offpolicy_mask.shape)}")
+        shaped = m & _as_bool(offpolicy_mask)  # (B, T)
+        pi = torch.exp(torch.where(shaped, logp, zeros))  # (B, T)
+        pg = torch.where(shaped, -(pi / (pi + shaping_gamma)) * adv, pg)  # (B, T)
     per_token = pg  # (B, T)
 
     use_kl = ref_logp is not None
@@ -317,8 +353,9 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
     with torch.no_grad():
         n = int(m.sum())
         denom = float(max(n, 1))
-        high = m & (adv > 0) & (ratio > 1.0 + eps_high)  # (B, T)
-        low = m & (adv < 0) & (ratio < 1.0 - eps_low)  # (B, T)
+        clipped = m if shaped is None else m & ~shaped  # shaped tokens are never clipped
+        high = clipped & (adv > 0) & (ratio > 1.0 + eps_high)  # (B, T)
+        low = clipped & (adv < 0) & (ratio < 1.0 - eps_low)  # (B, T)
         clip_high = float(high.sum()) / denom
         clip_low = float(low.sum()) / denom
         stats = {

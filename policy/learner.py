@@ -17,6 +17,9 @@ from policy import grpo
 from policy.records import Trajectory
 
 
+COMPOSITIONS = ("mix", "replace")
+
+
 @dataclass(frozen=True)
 class LearnerSettings:
     lr: float = 1e-3
@@ -34,6 +37,8 @@ class LearnerSettings:
     drop_zero_variance: bool = True
     mask_all_tools_failed: bool = True
     entropy_coef: float = 0.0
+    shift_threshold: float = float("inf")  # drop intervened trajectories whose shift measure exceeds this
+    shaping_gamma: float = 0.0  # LUFFY policy shaping on guided tokens (0: off, the ordinary clipped ratio)
     temperature: float = 1.0  # logits are divided by the rollout temperature, as the behaviour's were
     max_tokens: int = 96  # Dr.GRPO's constant normaliser: the most tokens a rollout can generate
 
@@ -46,7 +51,8 @@ class PreparedBatch:
 
 
 def pad_training_views(trajs: list[Trajectory], pad_id: int):
-    """Right-padded training views: ids, attention mask, loss mask, behaviour log-probs, post-tool flags (B, L)."""
+    """Right-padded training views (B, L): ids, attention mask, loss mask, behaviour log-probs, post-tool flags,
+    off-policy flags (policy tokens sampled under guidance the view strips)."""
     views = [t.training_view() for t in trajs]
     B, L = len(views), max(len(v[0]) for v in views)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -54,12 +60,14 @@ def pad_training_views(trajs: list[Trajectory], pad_id: int):
     mask = torch.zeros((B, L))
     old = torch.zeros((B, L))
     post_tool = torch.zeros((B, L), dtype=torch.bool)
-    for b, (i, m, lp, turn, _) in enumerate(views):
+    offpolicy = torch.zeros((B, L), dtype=torch.bool)
+    for b, ((i, m, lp, turn, _), tr) in enumerate(zip(views, trajs)):
         n = len(i)
         ids[b, :n], attn[b, :n] = torch.tensor(i), 1
         mask[b, :n], old[b, :n] = torch.tensor(m, dtype=torch.float), torch.tensor(lp)
         post_tool[b, :n] = torch.tensor([t >= 1 for t in turn])
-    return ids, attn, mask, old, post_tool
+        offpolicy[b, :n] = torch.tensor(tr.offpolicy_flags(), dtype=torch.bool)
+    return ids, attn, mask, old, post_tool, offpolicy
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -94,40 +102,109 @@ class GRPOLearner:
         self.updates = 0
 
     # ------------------------------------------------------------------ advantages and filters
-    def prepare(self, trajs: list[Trajectory]) -> PreparedBatch:
-        """Group-relative advantages, then the TAO-RL filters. Returns what will be trained on."""
-        n = len(trajs)
+    def prepare(self, trajs: list[Trajectory], compose: str = "mix") -> PreparedBatch:
+        """What will be trained on, and with which advantages. In order:
+
+        1. probe rollouts (``intervention["probe"]``) are never trained;
+        2. group composition: ``mix`` keeps intervened trajectories in their task's group beside the base ones
+           (LUFFY); ``replace`` drops the base rollouts of every group that has intervened ones (ActGuide);
+        3. the shift filter: a trajectory sampled under guidance whose shift measure
+           (:func:`policy.grpo.shift_measure`, under the current weights) exceeds ``shift_threshold`` is dropped;
+        4. group-relative advantages over what is left, then the TAO-RL filters (zero-variance groups,
+           all-tools-failed trajectories).
+
+        Every input trajectory's ``status`` says what happened to it and ``shift`` holds its measure.
+        """
+        if compose not in COMPOSITIONS:
+            raise ValueError(f"unknown group composition {compose!r}; one of {', '.join(COMPOSITIONS)}")
+        stats = {"groups": 0.0, "zero_variance_groups": 0.0, "zero_variance_share": 0.0, "all_tools_failed": 0.0,
+                 "kept": 0.0, "probes": 0.0, "replaced": 0.0, "shift_measured": 0.0, "shift_rejected": 0.0,
+                 "shift_accepted": 0.0, "shift_mean": 0.0, "shift_max": 0.0}
+        for t in trajs:
+            t.status, t.shift = "", None
+        pool = []
+        for t in trajs:
+            if t.intervention is not None and t.intervention.get("probe"):
+                t.status = "probe"
+            else:
+                pool.append(t)
+        stats["probes"] = float(len(trajs) - len(pool))
+        if compose == "replace":
+            replaced = {t.group for t in pool if t.intervention is not None}
+            for t in pool:
+                if t.intervention is None and t.group in replaced:
+                    t.status = "replaced"
+            stats["replaced"] = float(sum(t.status == "replaced" for t in pool))
+            pool = [t for t in pool if t.status != "replaced"]
+        shifted = [t for t in pool if t.context_shifted]
+        if shifted:
+            values = self.shift_of(shifted)
+            for t, v in zip(shifted, values):
+                t.shift = v
+                if not (v <= self.s.shift_threshold):  # NaN counts as over
+                    t.status = "shift_rejected"
+            stats["shift_measured"] = float(len(shifted))
+            stats["shift_rejected"] = float(sum(t.status == "shift_rejected" for t in shifted))
+            stats["shift_accepted"] = stats["shift_measured"] - stats["shift_rejected"]
+            finite = [v for v in values if math.isfinite(v)]
+            stats["shift_mean"] = sum(finite) / len(finite) if finite else 0.0
+            stats["shift_max"] = max(finite) if finite else 0.0
+            pool = [t for t in pool if t.status != "shift_rejected"]
+        n = len(pool)
         if n == 0:
-            return PreparedBatch([], [], {"kept": 0.0, "zero_variance_groups": 0.0, "groups": 0.0})
-        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)  # (N,)
-        _, group_index = torch.unique(torch.tensor([t.group for t in trajs]), return_inverse=True)  # (N,)
+            return PreparedBatch([], [], stats)
+        rewards = torch.tensor([t.reward for t in pool], dtype=torch.float64)  # (N,)
+        _, group_index = torch.unique(torch.tensor([t.group for t in pool]), return_inverse=True)  # (N,)
         adv = grpo.group_advantages(rewards, group_index, scale=self.s.adv_scale)  # (N,)
         zero_var = grpo.zero_variance_mask(rewards, group_index)  # (N,)
         keep = torch.ones(n, dtype=torch.bool)
         if self.s.drop_zero_variance:
             keep &= ~zero_var
-        all_failed = torch.tensor([(lambda c: c[0] > 0 and c[0] == c[1])(t.tool_calls()) for t in trajs])
+        all_failed = torch.tensor([(lambda c: c[0] > 0 and c[0] == c[1])(t.tool_calls()) for t in pool])
         if self.s.mask_all_tools_failed:
             keep &= ~all_failed
+        for i, t in enumerate(pool):
+            if bool(keep[i]):
+                t.status = "trained"
+            elif self.s.drop_zero_variance and bool(zero_var[i]):
+                t.status = "zero_variance"
+            else:
+                t.status = "all_tools_failed"
         n_groups = int(group_index.max()) + 1
         zv_groups = len(set(group_index[zero_var].tolist()))
         idx = keep.nonzero().flatten().tolist()
-        stats = {
+        stats.update({
             "groups": float(n_groups),
             "zero_variance_groups": float(zv_groups),
             "zero_variance_share": zv_groups / n_groups,
             "all_tools_failed": float(all_failed.sum()),
             "kept": float(len(idx)),
-        }
-        return PreparedBatch([trajs[i] for i in idx], [float(adv[i]) for i in idx], stats)
+        })
+        return PreparedBatch([pool[i] for i in idx], [float(adv[i]) for i in idx], stats)
+
+    @torch.no_grad()
+    def shift_of(self, trajs: list[Trajectory]) -> list[float]:
+        """The shift measure of each trajectory under the current weights (no gradient)."""
+        out: list[float] = []
+        was = self.model.training
+        self.model.eval()
+        try:
+            for i in range(0, len(trajs), self.s.minibatch_size):
+                chunk = trajs[i : i + self.s.minibatch_size]
+                ids, attn, _, old, _, off = pad_training_views(chunk, self.pad_id)
+                logp = grpo.gather_logprobs(self._logits(self.model, ids, attn), ids[:, 1:])  # (B, T)
+                out += grpo.shift_measure(logp, old[:, 1:], off[:, 1:]).tolist()
+        finally:
+            self.model.train(was)
+        return out
 
     # ------------------------------------------------------------------ forward
     def _batch(self, trajs: list[Trajectory], advs: list[float]):
-        ids, attn, mask, old, post_tool = pad_training_views(trajs, self.pad_id)
+        ids, attn, mask, old, post_tool, off = pad_training_views(trajs, self.pad_id)
         B, L = ids.shape
         adv = torch.tensor(advs, dtype=torch.float)[:, None].expand(B, L - 1)  # (B, T)
         # token k is predicted from position k-1: shift everything that describes targets by one
-        return ids, attn, mask[:, 1:], old[:, 1:], post_tool[:, 1:] & (mask[:, 1:] > 0), adv
+        return ids, attn, mask[:, 1:], old[:, 1:], post_tool[:, 1:] & (mask[:, 1:] > 0), adv, off[:, 1:]
 
     def _logits(self, model, ids, attn) -> torch.Tensor:
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # (B, T, V)
@@ -146,7 +223,7 @@ class GRPOLearner:
             order = torch.randperm(n, generator=generator).tolist()
             for i in range(0, n, s.minibatch_size):
                 sel = order[i : i + s.minibatch_size]
-                ids, attn, mask, old, shape_mask, adv = self._batch(
+                ids, attn, mask, old, shape_mask, adv, off = self._batch(
                     [batch.trajectories[j] for j in sel], [batch.advantages[j] for j in sel])
                 logits = self._logits(self.model, ids, attn)  # (B, T, V)
                 logp = grpo.gather_logprobs(logits, ids[:, 1:])  # (B, T)
@@ -158,7 +235,8 @@ class GRPOLearner:
                     with torch.no_grad():
                         ref = grpo.gather_logprobs(self._logits(self.ref_model, ids, attn), ids[:, 1:])
                 loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, s.eps_low, s.eps_high, s.loss_agg,
-                                              max_tokens=s.max_tokens, ref_logp=ref, kl_coef=s.kl_coef)
+                                              max_tokens=s.max_tokens, ref_logp=ref, kl_coef=s.kl_coef,
+                                              offpolicy_mask=off, shaping_gamma=s.shaping_gamma)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip if s.grad_clip > 0 else float("inf"))

@@ -68,6 +68,8 @@ class Trajectory:
     rubric: Any = None  # rail.envs.RubricStatus
     intervention: dict | None = None  # what was done to it (None for a base rollout)
     guidance: Guidance | None = None
+    shift: float | None = None  # shift measure (mean log-ratio guided vs stripped context), if measured
+    status: str = ""  # what the learner did with it: trained, probe, replaced, shift_rejected, zero_variance, ...
 
     @property
     def n_turns(self) -> int:
@@ -77,6 +79,26 @@ class Trajectory:
         """(tool calls made, tool calls that failed), counting every turn that was not a clean answer."""
         calls = [s for s in self.steps if not (s.done and s.ok)]
         return len(calls), sum(1 for s in calls if not s.ok)
+
+    @property
+    def context_shifted(self) -> bool:
+        """Whether some of its policy tokens were sampled in a context that training strips (a plan or a hint)."""
+        g = self.guidance
+        return g is not None and (g.plan is not None or g.hint is not None)
+
+    def offpolicy_flags(self) -> list[int]:
+        """Aligned with :meth:`training_view`'s ids: 1 for policy tokens sampled under stripped guidance.
+
+        Those are the tokens generated in this rollout (turn >= ``prefix_turns``) when a plan or a hint was in
+        the context; a copied prefix and the continuation after an injected step are on-policy.
+        """
+        flags = [0] * len(self.train_prompt_ids)
+        shifted = self.context_shifted
+        for o, t in zip(self.origin, self.turn):
+            if o == Origin.GUIDANCE:
+                continue
+            flags.append(1 if shifted and o == Origin.POLICY and t >= self.prefix_turns else 0)
+        return flags
 
     def training_view(self) -> tuple[list[int], list[int], list[float], list[int], list[int]]:
         """(input ids, loss mask, behaviour log-probs, turn, origin) of the sequence the learner trains on.

@@ -55,6 +55,7 @@ class WarmStartConfig:
     batch_size: int = F(32, "Reference trajectories per warm-start step.")
     lr: float = F(3e-3, "Warm-start learning rate (AdamW, cosine decay).")
     noise: float = F(0.4, "Share of demonstrations from an imperfect demonstrator (one wrong call, then consistent).")
+    guided_share: float = F(0.2, "Share of demonstrations that follow guidance in their context (a plan or a rubric hint), so the built-in model can read the interventions' guidance.")
     cache_dir: str = F(".cache/rail/warmstart", "Where warm-started models are cached, keyed by their config.")
 
 
@@ -101,11 +102,27 @@ class LearnerConfig:
     drop_zero_variance: bool = F(True, "Drop groups whose rewards have (near) zero spread (TAO-RL, DAPO).")
     mask_all_tools_failed: bool = F(True, "Mask trajectories in which every tool call failed (TAO-RL).")
     entropy_coef: float = F(0.0, "TAO-RL entropy shaping c in A*(1 + c*z) on the turn after a tool result.")
+    shift_threshold: float = F(1.0, "Shift filter: drop an intervened trajectory whose mean log-ratio (guided vs stripped context, policy tokens sampled under guidance) exceeds this.")
+    shaping_gamma: float = F(0.0, "LUFFY policy shaping pi/(pi+gamma) on tokens sampled under guidance (0: off, the clipped ratio).")
 
 
 @dataclass
 class ControllerConfig:
-    name: str = F("none", "Intervention controller: 'none' (plain GRPO, the whole budget on base groups).")
+    name: str = F("none", "Intervention controller: none, dapo, rti, actguide, ladder, random (docs/algorithms.md).")
+    base_share: float = F(0.5, "Share of a step's budget intervening controllers spend on base groups first ('none' spends all).")
+    compose: str = F("auto", "How intervened rollouts join their group: 'mix', 'replace', or 'auto' (the controller's own: actguide replaces, the others mix).")
+    menu: list[str] = F(["resample@start", "resample@violation", "resample@before", "rubric_hint@violation",
+                         "rubric_hint@before", "rubric_hint@start", "action_guide@start", "action_guide@violation",
+                         "guided_step@violation"],
+                        "The interventions (how@where) random and learned controllers choose from.")
+    how_many: list[int] = F([2, 4], "Intervention rollouts an intervention of the menu may spend.")
+    rti_how_many: int = F(4, "rti: hinted rollouts per failed group.")
+    ladder: list[str] = F(["resample@violation", "rubric_hint@violation", "guided_step@violation", "action_guide@start"],
+                          "ladder: the rungs, cheapest first.")
+    ladder_how_many: int = F(2, "ladder: rollouts per rung.")
+    probe_rollouts: int = F(2, "actguide: rollouts per probe of the plan-length search.")
+    max_probes: int = F(5, "actguide: most probes per group.")
+    max_rounds: int = F(8, "Most decide -> run rounds per step.")
 
 
 @dataclass
@@ -171,6 +188,7 @@ CHOICES = {
     "learner.schedule": ("constant", "linear", "cosine"),
     "learner.loss_agg": ("token_mean", "seq_mean", "dr_grpo"),
     "learner.adv_scale": ("std", "none"),
+    "controller.compose": ("auto", "mix", "replace"),
 }
 
 
@@ -287,6 +305,10 @@ def validate(cfg: Config) -> None:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 1:
             raise ConfigError(f"{key} must be >= 1")
+    for key in ("warmstart.noise", "warmstart.guided_share"):
+        v = getattr(cfg.warmstart, key.split(".")[1])
+        if not 0.0 <= v <= 1.0:
+            raise ConfigError(f"{key} = {v}: must be in [0, 1]")
     if not 0.0 < r.top_p <= 1.0:
         raise ConfigError(f"rollout.top_p = {r.top_p}: must be in (0, 1]")
     if r.temperature < 0 or cfg.eval.temperature < 0:
@@ -310,8 +332,28 @@ def validate(cfg: Config) -> None:
     if r.max_turns < need:
         raise ConfigError(f"rollout.max_turns = {r.max_turns} cannot solve level {need - 1} "
                           f"(needs {need} turns); raise rollout.max_turns")
-    if cfg.controller.name not in CONTROLLERS:
-        raise ConfigError(f"controller.name = {cfg.controller.name!r}: must be one of {', '.join(CONTROLLERS)}")
+    c = cfg.controller
+    if c.name not in CONTROLLERS:
+        raise ConfigError(f"controller.name = {c.name!r}: must be one of {', '.join(CONTROLLERS)}")
+    if not 0.0 < c.base_share <= 1.0:
+        raise ConfigError(f"controller.base_share = {c.base_share}: must be in (0, 1]")
+    from rail.interventions import Intervention
+    for key, items in (("controller.menu", c.menu), ("controller.ladder", c.ladder)):
+        for item in items:
+            try:
+                Intervention.parse(item, 1)
+            except ValueError as e:
+                raise ConfigError(f"{key}: {item!r}: {e}; write how@where, e.g. rubric_hint@violation") from None
+    if not c.how_many or any(k < 1 for k in c.how_many):
+        raise ConfigError(f"controller.how_many = {c.how_many}: must be a non-empty list of counts >= 1")
+    for key in ("controller.rti_how_many", "controller.ladder_how_many", "controller.probe_rollouts",
+                "controller.max_probes", "controller.max_rounds"):
+        if getattr(c, key.split(".")[1]) < 1:
+            raise ConfigError(f"{key} must be >= 1")
+    if not L.shift_threshold > 0:
+        raise ConfigError(f"learner.shift_threshold = {L.shift_threshold}: must be > 0 (inf: no filter)")
+    if L.shaping_gamma < 0:
+        raise ConfigError(f"learner.shaping_gamma = {L.shaping_gamma}: must be >= 0")
 
 
 def config_markdown() -> str:

@@ -1,63 +1,155 @@
 """Intervention controllers, chosen by name (``--controller``).
 
-After a step's base rollouts are scored, the training loop hands the controller every group and the step's
-remaining budget; the controller returns intervention decisions to run (each charged to the budget before it
-runs) and later receives their outcomes. ``none`` is plain GRPO: it never intervenes, so the whole budget
-goes to base groups. The intervention operators and the learned controller plug in here.
+After a step's base rollouts are scored, the training loop runs rounds: it hands the controller every group
+(base rollouts plus whatever earlier rounds added) and the step's remaining budget; the controller returns
+:class:`Decision` objects; the loop prices each one (:class:`Menu`), runs those that fit the budget — all of
+a round's decisions in one batched generation — scores them, appends them to their groups and reports them
+back with :meth:`Controller.observe`. Rounds end when the controller returns nothing. Whatever budget is
+left is then spent on fresh base groups, so every controller spends the same budget per step.
+
+Fixed controllers (the baselines a learned controller must beat):
+
+- ``none`` — plain GRPO: the whole budget on base groups.
+- ``dapo`` — dynamic sampling: half the budget on base groups, then a fresh group for every zero-variance one.
+- ``rti`` — a rubric hint at the first violation for every group without a success, fixed how_many.
+- ``actguide`` — fallback for groups whose every rollout scored 0: a binary search over the plan length with
+  probe rollouts (charged, not trained), then a full group of guided rollouts that replaces the group.
+- ``ladder`` — minimal intervention: the cheapest operator first, escalating while the group has no success.
+- ``random`` — uniform over the legal interventions of every group (and doing nothing).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from rail.interventions import Intervention
 
 
 @dataclass
 class GroupView:
-    """What a controller sees of one scored base group."""
+    """What a controller sees of one group: its task and every rollout so far (base first)."""
 
     group: int
+    family: str
     task: Any
-    trajectories: list  # policy.records.Trajectory
-    rewards: list[float] = field(default_factory=list)
+    trajectories: list  # policy.records.Trajectory: base rollouts, then intervention rollouts
+    n_base: int = 0
+    zero_variance_base: bool = False  # the base rollouts alone carried no signal
+    interventions: list = field(default_factory=list)  # Intervention keys applied this step
+
+    @property
+    def base(self) -> list:
+        return self.trajectories[: self.n_base]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories if not _is_probe(t)]
+
+    @property
+    def successes(self) -> int:
+        return sum(1 for r in self.rewards if r >= 1.0)
+
+    @property
+    def all_zero(self) -> bool:
+        return all(r == 0.0 for r in self.rewards)
+
+
+def _is_probe(t) -> bool:
+    return t.intervention is not None and bool(t.intervention.get("probe"))
 
 
 @dataclass
-class InterventionDecision:
+class Decision:
+    """Run ``intervention`` on ``group`` (or, with ``refill``, generate a fresh base group instead)."""
+
     group: int
-    operator: str
-    params: dict
-    cost: int
+    intervention: Intervention | None = None
+    refill: bool = False
+    probe: bool = False  # rollouts are charged but not trained on
+    propensity: float = 1.0
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    """What a decision produced (``ran`` is False when it did not fit the budget or was not legal)."""
+
+    decision: Decision
+    ran: bool
+    cost: int = 0
+    trajectories: list = field(default_factory=list)
+
+    @property
+    def successes(self) -> int:
+        return sum(1 for t in self.trajectories if t.reward >= 1.0)
+
+
+class Menu:
+    """The legal interventions of a group and their costs, as the training loop prices them.
+
+    ``legal(view)`` lists the configured menu's interventions that can act on the group; ``cost(view, iv)``
+    is what running ``iv`` would charge (None when it is not legal); ``refill_cost`` is a fresh base group.
+    """
+
+    def __init__(self, menu: Sequence[Intervention], legal: Callable, cost: Callable, refill_cost: int):
+        self.menu = list(menu)
+        self._legal, self._cost = legal, cost
+        self.refill_cost = refill_cost
+
+    def legal(self, view: GroupView) -> list[Intervention]:
+        return self._legal(view, self.menu)
+
+    def cost(self, view: GroupView, iv: Intervention) -> int | None:
+        return self._cost(view, iv)
 
 
 class Controller(Protocol):
     name: str
+    compose: str  # how its interventions join their groups: "mix" or "replace"
 
-    def plan_base(self, step_budget: int, group_size: int, unit: str) -> int:
+    def plan_base(self, step_budget: int, group_size: int, unit: str, tokens_per_rollout: float = 1.0) -> int:
         """How many base groups to generate this step."""
 
-    def decide(self, groups: Sequence[GroupView], remaining: int, unit: str) -> list[InterventionDecision]:
-        """Interventions to run after the base rollouts, within ``remaining``."""
+    def begin_step(self, step: int, rng: np.random.Generator) -> None: ...
+
+    def decide(self, groups: Sequence[GroupView], remaining: int, unit: str, menu: Menu) -> list[Decision]:
+        """This round's interventions, within ``remaining``; an empty list ends the step's rounds."""
+
+    def observe(self, outcomes: Sequence[Outcome]) -> None: ...
 
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
 
 
+def _groups_for(budget: float, group_size: int, unit: str, tokens_per_rollout: float) -> int:
+    per_rollout = 1.0 if unit == "rollouts" else max(1.0, tokens_per_rollout)
+    return max(1, int(budget // (group_size * per_rollout)))
+
+
 class NoController:
     """Plain GRPO: every rollout of the budget goes to base groups; never intervenes."""
 
     name = "none"
+    compose = "mix"
 
-    def __init__(self, **_: Any):
-        pass
+    def __init__(self, config: Any = None, **_: Any):
+        self.cfg = config
 
-    def plan_base(self, step_budget: int, group_size: int, unit: str, tokens_per_rollout: float = 1.0) -> int:
-        per_rollout = 1.0 if unit == "rollouts" else max(1.0, tokens_per_rollout)
-        return max(1, int(step_budget // (group_size * per_rollout)))
+    def plan_base(self, step_budget, group_size, unit, tokens_per_rollout=1.0) -> int:
+        return _groups_for(step_budget, group_size, unit, tokens_per_rollout)
 
-    def decide(self, groups, remaining, unit) -> list[InterventionDecision]:
+    def begin_step(self, step, rng) -> None:
+        self.rng = rng
+
+    def decide(self, groups, remaining, unit, menu) -> list[Decision]:
         return []
+
+    def observe(self, outcomes) -> None:
+        pass
 
     def state_dict(self) -> dict:
         return {}
@@ -66,4 +158,162 @@ class NoController:
         pass
 
 
-CONTROLLERS: dict[str, type] = {"none": NoController}
+class _Reserving(NoController):
+    """Spends ``controller.base_share`` of the budget on base groups and keeps the rest for its rounds."""
+
+    def plan_base(self, step_budget, group_size, unit, tokens_per_rollout=1.0) -> int:
+        share = self.cfg.controller.base_share if self.cfg is not None else 0.5
+        return _groups_for(step_budget * share, group_size, unit, tokens_per_rollout)
+
+    def begin_step(self, step, rng) -> None:
+        self.rng, self.round = rng, 0
+
+    def decide(self, groups, remaining, unit, menu) -> list[Decision]:
+        out = self._decide(groups, remaining, unit, menu)
+        self.round += 1
+        return out
+
+    def _decide(self, groups, remaining, unit, menu) -> list[Decision]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _take(decisions: list[tuple[Decision, int | None]], remaining: int) -> list[Decision]:
+        """Decisions in order while their costs fit ``remaining``."""
+        out = []
+        for d, c in decisions:
+            if c is not None and c <= remaining:
+                out.append(d)
+                remaining -= c
+        return out
+
+
+class DapoController(_Reserving):
+    """DAPO dynamic sampling under a fixed budget: replace every zero-variance group by a fresh one."""
+
+    name = "dapo"
+
+    def _decide(self, groups, remaining, unit, menu):
+        seen = getattr(self, "_refilled", set()) if self.round else set()
+        todo = [g for g in groups if g.zero_variance_base and g.group not in seen]
+        self._refilled = seen | {g.group for g in todo}
+        return self._take([(Decision(g.group, refill=True), menu.refill_cost) for g in todo], remaining)
+
+
+class RtiController(_Reserving):
+    """RTI: a rubric hint at the first violation for every group without a success (one round)."""
+
+    name = "rti"
+
+    def _decide(self, groups, remaining, unit, menu):
+        if self.round:
+            return []
+        iv = Intervention("rubric_hint", "violation", self.cfg.controller.rti_how_many)
+        todo = [(Decision(g.group, iv), menu.cost(g, iv)) for g in groups if g.successes == 0]
+        return self._take(todo, remaining)
+
+
+class LadderController(_Reserving):
+    """Minimal intervention: each round, every group still without a success climbs one rung."""
+
+    name = "ladder"
+
+    def begin_step(self, step, rng) -> None:
+        super().begin_step(step, rng)
+        self.rung: dict[int, int] = {}
+
+    def _decide(self, groups, remaining, unit, menu):
+        rungs = [Intervention.parse(r, self.cfg.controller.ladder_how_many) for r in self.cfg.controller.ladder]
+        todo = []
+        for g in groups:
+            if g.successes > 0:
+                continue
+            k = self.rung.get(g.group, 0)
+            while k < len(rungs) and menu.cost(g, rungs[k]) is None:  # skip rungs that cannot act here
+                k += 1
+            if k < len(rungs):
+                todo.append((g.group, k, Decision(g.group, rungs[k]), menu.cost(g, rungs[k])))
+        out = []
+        for gi, k, d, c in todo:
+            if c <= remaining:
+                out.append(d)
+                remaining -= c
+                self.rung[gi] = k + 1
+        return out
+
+
+class ActGuideController(_Reserving):
+    """ActGuide fallback: for groups whose every rollout scored 0, binary-search the smallest plan length with
+    any success (probe rollouts), then replace the group with ``group_size`` guided rollouts at that length."""
+
+    name = "actguide"
+    compose = "replace"
+
+    def begin_step(self, step, rng) -> None:
+        super().begin_step(step, rng)
+        self.search: dict[int, dict] = {}
+
+    def _decide(self, groups, remaining, unit, menu):
+        c = self.cfg.controller
+        out: list[tuple[Decision, int | None]] = []
+        for g in groups:
+            if g.group not in self.search:
+                if g.n_base == 0 or not all(t.reward == 0.0 for t in g.base) or g.interventions:
+                    continue
+                L = len(g.task.action_guide)
+                self.search[g.group] = {"lo": 1, "hi": L, "probes": 0, "found": False, "done": False, "L": L}
+            s = self.search[g.group]
+            if s["done"]:
+                continue
+            if s["lo"] < s["hi"] and s["probes"] < c.max_probes:
+                m = (s["lo"] + s["hi"]) // 2
+                iv = Intervention("action_guide", "start", c.probe_rollouts, plan_len=m)
+                out.append((Decision(g.group, iv, probe=True, info={"plan_len": m}), menu.cost(g, iv)))
+            else:
+                s["done"] = True
+                if s["found"] or s["lo"] == s["L"]:
+                    iv = Intervention("action_guide", "start", self.cfg.budget.group_size, plan_len=s["lo"])
+                    out.append((Decision(g.group, iv), menu.cost(g, iv)))
+        return self._take(out, remaining)
+
+    def observe(self, outcomes) -> None:
+        for o in outcomes:
+            d = o.decision
+            s = self.search.get(d.group)
+            if s is None or not d.probe:
+                continue
+            if not o.ran:
+                s["done"] = True  # out of budget: stop searching this group
+                continue
+            s["probes"] += 1
+            if o.successes > 0:
+                s["hi"], s["found"] = d.info["plan_len"], True
+            else:
+                s["lo"] = d.info["plan_len"] + 1
+
+
+class RandomController(_Reserving):
+    """Uniform over each group's legal interventions and doing nothing, groups in random order (one round)."""
+
+    name = "random"
+
+    def _decide(self, groups, remaining, unit, menu):
+        if self.round:
+            return []
+        out = []
+        for gi in self.rng.permutation(len(groups)):
+            g = groups[int(gi)]
+            options: list[Intervention | None] = [None, *menu.legal(g)]
+            pick = options[int(self.rng.integers(len(options)))]
+            if pick is not None:
+                out.append((Decision(g.group, pick, propensity=1.0 / len(options)), menu.cost(g, pick)))
+        return self._take(out, remaining)
+
+
+CONTROLLERS: dict[str, type] = {
+    "none": NoController,
+    "dapo": DapoController,
+    "rti": RtiController,
+    "actguide": ActGuideController,
+    "ladder": LadderController,
+    "random": RandomController,
+}

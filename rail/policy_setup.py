@@ -24,11 +24,13 @@ from rail.config import Config
 from rail.envs import Action, Environment, ToolRunner, rubric_status
 
 log = logging.getLogger("rail")
-CACHE_VERSION = "1"  # bump when the warm-start procedure changes
+CACHE_VERSION = "3"  # bump when the warm-start procedure changes
 
 
 def vocabulary(envs: dict[str, Environment]) -> list[str]:
-    words: set[str] = set()
+    from rail.interventions import GUIDANCE_WORDS
+
+    words: set[str] = set(GUIDANCE_WORDS)
     for env in envs.values():
         words.update(env.vocabulary())
     return sorted(words)
@@ -39,9 +41,11 @@ def demonstration(task, rng: np.random.Generator, noise: float, alternatives: di
     imperfect demonstrator's version of it.
 
     The imperfect demonstrator gets one call wrong (its second argument, e.g. the relation or the operator,
-    replaced by another value the same tool takes) and then carries on consistently: every later call starts
-    from what the previous call returned and the answer is the last result. A policy imitating a mixture of
-    such demonstrators makes systematic, plausible mistakes, which reward can correct.
+    replaced by the value it is confused with: the next one in ``alternatives``) and then carries on
+    consistently: every later call starts from what the previous call returned and the answer is the last
+    result. Because each value has one fixed confusion partner, the mistake is systematic: a policy imitating
+    a mixture of such demonstrators puts a large share of probability on one plausible wrong value, a mistake
+    that survives low sampling temperatures and that reward can correct.
     """
     guide = list(task.action_guide)
     calls = [i for i, a in enumerate(guide) if len(a.args) >= 2 and len(alternatives.get(a.tool, [])) > 1]
@@ -49,20 +53,28 @@ def demonstration(task, rng: np.random.Generator, noise: float, alternatives: di
         return guide
     k = calls[int(rng.integers(len(calls)))]
     a = guide[k]
-    wrong = [v for v in alternatives[a.tool] if v != a.args[1]]
-    guide[k] = Action(a.tool, (a.args[0], wrong[int(rng.integers(len(wrong)))], *a.args[2:]))
+    values = alternatives[a.tool]
+    wrong = values[(values.index(a.args[1]) + 1) % len(values)] if a.args[1] in values else values[0]
+    guide[k] = Action(a.tool, (a.args[0], wrong, *a.args[2:]))
     return guide
 
 
 def reference_trajectory(env: Environment, task, renderer: ChatRenderer, group: int = 0,
-                         actions: list[Action] | None = None) -> Trajectory:
+                         actions: list[Action] | None = None, plan: str | None = None,
+                         hint: tuple[int, str] | None = None) -> Trajectory:
     """``actions`` (default: the action guide) executed turn by turn, tokenised as if the policy wrote them.
 
     After a call whose result differs from the guide's, later calls chain from the actual result (their
     first argument) and the answer is the last result, so a perturbed demonstration stays consistent.
+    ``plan`` is appended to the user message and ``hint = (turn, text)`` is a user message before that turn,
+    both kept as (untrained) context: a demonstration of following guidance.
     """
     runner = ToolRunner(env)
-    prompt = renderer.prompt(env.system_prompt(), task.prompt)
+    user = task.prompt if plan is None else f"{task.prompt} {plan}"
+    if hint is not None and hint[0] == 0:
+        prompt, _ = renderer.prompt_with_hint(env.system_prompt(), user, hint[1])
+    else:
+        prompt = renderer.prompt(env.system_prompt(), user)
     tr = Trajectory(task.id, task.family, task.level, group, prompt, list(prompt))
     guide = list(task.action_guide if actions is None else actions)
     last_obs = None
@@ -82,11 +94,29 @@ def reference_trajectory(env: Environment, task, renderer: ChatRenderer, group: 
         if step.done:
             tr.done = True
             break
-        for tok in renderer.tool_suffix(step.observation):
+        if hint is not None and hint[0] == t + 1:
+            suffix = renderer.tool_suffix_with_hint(step.observation, hint[1])[0]
+        else:
+            suffix = renderer.tool_suffix(step.observation)
+        for tok in suffix:
             tr.ids.append(tok), tr.origin.append(Origin.TOOL), tr.logprobs.append(0.0), tr.turn.append(t)
     tr.reward = env.reward(task, tr.steps)
     tr.rubric = rubric_status(env, task, tr.steps)
     return tr
+
+
+def guided_demonstration(env: Environment, task, renderer: ChatRenderer, rng: np.random.Generator) -> Trajectory:
+    """A clean demonstration that follows guidance in its context: half the time a plan listing the first m
+    reference actions (m uniform), otherwise a hint with the evidence of rubric item k before the turn that
+    achieves it (k uniform). It teaches the built-in model to read the guidance the interventions give; a
+    pretrained instruct model reads hints without this."""
+    from rail.interventions import hint_text, plan_text
+
+    n = len(task.action_guide)
+    if rng.random() < 0.5:
+        return reference_trajectory(env, task, renderer, plan=plan_text(task, int(rng.integers(1, n + 1))))
+    k = int(rng.integers(n))
+    return reference_trajectory(env, task, renderer, hint=(k, hint_text(task, k)))
 
 
 def _cache_key(cfg: Config, vocab: list[str]) -> str:
@@ -98,7 +128,7 @@ def _cache_key(cfg: Config, vocab: list[str]) -> str:
 
 
 def sft_loss(model, trajs: list[Trajectory], pad_id: int) -> torch.Tensor:
-    ids, attn, mask, _, _ = pad_training_views(trajs, pad_id)
+    ids, attn, mask, *_ = pad_training_views(trajs, pad_id)
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # (B, T, V)
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T)
     m = mask[:, 1:]
@@ -122,14 +152,19 @@ def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg:
                     alternatives.setdefault(a.tool, [])
                     if a.args[1] not in alternatives[a.tool]:
                         alternatives[a.tool].append(a.args[1])
+    alternatives = {tool: sorted(values) for tool, values in alternatives.items()}  # fixed confusion partners
     for i in range(ws.steps):
         trajs = []
         for k in range(ws.batch_size):
             env = envs[names[k % len(names)]]
             (task,) = env.sample_tasks(rng, ws.levels, 1)
-            tr = reference_trajectory(env, task, renderer, actions=demonstration(task, rng, ws.noise, alternatives))
-            if not all(st.ok for st in tr.steps):  # a perturbed call left the tool's range: use the guide
-                tr = reference_trajectory(env, task, renderer)
+            if rng.random() < ws.guided_share:
+                tr = guided_demonstration(env, task, renderer, rng)
+            else:
+                tr = reference_trajectory(env, task, renderer,
+                                          actions=demonstration(task, rng, ws.noise, alternatives))
+                if not all(st.ok for st in tr.steps):  # a perturbed call left the tool's range: use the guide
+                    tr = reference_trajectory(env, task, renderer)
             trajs.append(tr)
         loss = sft_loss(model, trajs, renderer.pad)
         opt.zero_grad(set_to_none=True)

@@ -36,7 +36,9 @@ from policy.model import count_parameters, load_policy
 from policy.tokenizer import ChatRenderer
 from rail.budget import BudgetLedger, cost_of
 from rail.config import Config, merge, validate
-from rail.controllers import CONTROLLERS, GroupView
+from rail import interventions
+from rail.controllers import CONTROLLERS, GroupView, Menu, Outcome
+from rail.interventions import Intervention
 from rail.envs import ToolRunner, make_env, rubric_status
 from rail.evaluate import eval_metrics, evaluate, mean_over
 from rail.policy_setup import make_policy
@@ -65,6 +67,11 @@ class RunState:
     eval_history: list = field(default_factory=list)
     mlflow_run_id: str | None = None
     tokens_per_rollout: float = 0.0  # running mean, for planning token budgets
+    interventions: dict = field(default_factory=dict)  # how@where -> totals of STAT_KEYS over the run
+    intervention_totals: dict = field(default_factory=dict)  # rescued / zero-variance group counts over the run
+
+
+STAT_KEYS = ("decisions", "rollouts", "cost", "successes", "probes", "accepted", "rejected", "rescued")
 
 
 class Trainer:
@@ -95,6 +102,7 @@ class Trainer:
                             eps_high=L.eps_high, loss_agg=L.loss_agg, adv_scale=L.adv_scale, kl_coef=L.kl_coef,
                             grad_clip=L.grad_clip, drop_zero_variance=L.drop_zero_variance,
                             mask_all_tools_failed=L.mask_all_tools_failed, entropy_coef=L.entropy_coef,
+                            shift_threshold=L.shift_threshold, shaping_gamma=L.shaping_gamma,
                             temperature=cfg.rollout.temperature, max_tokens=cfg.max_rollout_tokens),
             total_updates=cfg.run.steps * L.epochs * mb_per_step, pad_id=self.renderer.pad)
         self.controller = CONTROLLERS[cfg.controller.name](config=cfg)
@@ -142,7 +150,9 @@ class Trainer:
         self.state = RunState(step=int(saved["step"]), wall_seconds=float(rs["wall_seconds"]),
                               eval_initial=rs["eval_initial"], eval_history=rs["eval_history"],
                               mlflow_run_id=rs.get("mlflow_run_id"),
-                              tokens_per_rollout=float(rs.get("tokens_per_rollout", 0.0)))
+                              tokens_per_rollout=float(rs.get("tokens_per_rollout", 0.0)),
+                              interventions=rs.get("interventions", {}),
+                              intervention_totals=rs.get("intervention_totals", {}))
         rng = saved.get("rng", {})
         if "python" in rng:
             random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
@@ -157,7 +167,8 @@ class Trainer:
             "controller": self.controller.state_dict(),
             "run": {"wall_seconds": st.wall_seconds + self._elapsed(), "eval_initial": st.eval_initial,
                     "eval_history": st.eval_history, "mlflow_run_id": st.mlflow_run_id,
-                    "tokens_per_rollout": st.tokens_per_rollout},
+                    "tokens_per_rollout": st.tokens_per_rollout, "interventions": st.interventions,
+                    "intervention_totals": st.intervention_totals},
             "rng": {"python": [py[0], list(py[1]), py[2]], "torch": torch.get_rng_state().tolist()},
         }
         save_checkpoint(self.out / "checkpoints", st.step, self.model, self.tokenizer,
@@ -167,8 +178,8 @@ class Trainer:
         return time.perf_counter() - self.t0
 
     # ------------------------------------------------------------------ one step
-    def _sample_tasks(self, step: int, n_groups: int):
-        rng = np.random.default_rng([self.cfg.run.seed, step, 1])
+    def _sample_tasks(self, step: int, n_groups: int, stream: tuple = ()):
+        rng = np.random.default_rng([self.cfg.run.seed, step, 1, *stream])
         fams = self.cfg.env.families
         out = []
         for g in range(n_groups):
@@ -188,6 +199,128 @@ class Trainer:
             tr.reward = float(r)
             tr.rubric = rubric_status(env, task, tr.steps)
 
+    def _base_requests(self, tasks, first_group: int, n: int) -> list[RolloutRequest]:
+        return [RolloutRequest(task=task, env=self.runners[fam], system=self.envs[fam].system_prompt(), group=first_group + i)
+                for i, (fam, task) in enumerate(tasks[first_group:first_group + n]) for _ in range(self.cfg.budget.group_size)]
+
+    def _generate(self, requests, seed: int, budget) -> list:
+        cap = budget.remaining if self.cfg.budget.unit == "tokens" else None
+        return self.engine.generate(requests, self.params, seed=seed, max_new_tokens=cap)
+
+    def _add_groups(self, groups, tasks, trajs, first: int) -> None:
+        for i in range(first, len(tasks)):
+            fam, task = tasks[i]
+            members = [tr for tr in trajs if tr.group == i]
+            rewards = [tr.reward for tr in members]
+            groups.append(GroupView(i, fam, task, members, n_base=len(members),
+                                    zero_variance_base=bool(rewards) and max(rewards) - min(rewards) < 1e-3))
+
+    def _menu(self, groups) -> Menu:
+        cfg = self.cfg
+        menu = [Intervention.parse(m, k) for m in cfg.controller.menu for k in cfg.controller.how_many]
+        cache: dict = {}
+
+        def plan_for(view: GroupView, iv: Intervention, probe: bool = False):
+            key = (view.group, iv, probe, len(view.trajectories))
+            if key not in cache:
+                cache[key] = interventions.plan(iv, view.group, view.base, view.task, self.runners[view.family],
+                                                self.envs[view.family].system_prompt(), cfg.budget.unit,
+                                                cfg.rollout.max_tokens_per_turn, probe=probe)
+            return cache[key]
+
+        def legal(view, items):
+            return interventions.legal(view.base, items)
+
+        def cost(view, iv):
+            p = plan_for(view, iv)
+            return None if p is None else p.cost
+
+        refill = cfg.budget.group_size if cfg.budget.unit == "rollouts" else int(
+            cfg.budget.group_size * (self.state.tokens_per_rollout or cfg.max_rollout_tokens / 4))
+        m = Menu(menu, legal, cost, refill)
+        m.plan_for = plan_for
+        return m
+
+    def _intervene(self, step: int, budget, groups: list, tasks: list, all_trajs: list) -> list:
+        """The controller's rounds; returns the outcomes of every decision that ran."""
+        cfg = self.cfg
+        rng = np.random.default_rng([cfg.run.seed, step, 4])
+        self.controller.begin_step(step, rng)
+        menu = self._menu(groups)
+        ran: list[Outcome] = []
+        for rnd in range(cfg.controller.max_rounds):
+            decisions = self.controller.decide(groups, budget.remaining, cfg.budget.unit, menu)
+            if not decisions:
+                break
+            avail = budget.remaining
+            outcomes, requests, owners = [], [], []
+            first_new = len(tasks)
+            for d in decisions:
+                o = Outcome(d, ran=False)
+                outcomes.append(o)
+                if d.refill:
+                    if menu.refill_cost > avail:
+                        continue
+                    tasks.extend(self._sample_tasks(step, 1, stream=(5, rnd, len(tasks))))
+                    reqs = self._base_requests(tasks, len(tasks) - 1, 1)
+                    o.cost = menu.refill_cost
+                else:
+                    view = groups[d.group]
+                    p = menu.plan_for(view, d.intervention, probe=d.probe)
+                    if p is None or p.cost > avail:
+                        continue
+                    reqs, o.cost = p.requests, p.cost
+                o.ran = True
+                avail -= o.cost
+                requests += reqs
+                owners += [o] * len(reqs)
+            if requests:
+                trajs = self._generate(requests, _seed(cfg.run.seed, step, 5, rnd), budget)
+                self._score(trajs, tasks)
+                for o, tr in zip(owners, trajs):
+                    o.trajectories.append(tr)
+                refills = [tr for o, tr in zip(owners, trajs) if o.decision.refill]
+                guided = [tr for o, tr in zip(owners, trajs) if not o.decision.refill]
+                if refills:
+                    budget.charge("base", cost_of(refills, cfg.budget.unit))
+                if guided:
+                    budget.charge("intervention", cost_of(guided, cfg.budget.unit))
+                all_trajs += trajs
+                self._add_groups(groups, tasks, refills, first_new)
+                for o in outcomes:
+                    if o.ran and not o.decision.refill:
+                        view = groups[o.decision.group]
+                        view.trajectories += o.trajectories
+                        view.interventions.append(o.decision.intervention.key)
+                ran += [o for o in outcomes if o.ran]
+            self.controller.observe(outcomes)
+            if not requests:
+                break
+        return ran
+
+    def _top_up(self, step: int, budget, groups: list, tasks: list, all_trajs: list) -> None:
+        """Spend what the controller left on fresh base groups, so every controller spends the same budget."""
+        cfg, g = self.cfg, self.cfg.budget.group_size
+        if cfg.budget.unit == "rollouts":
+            n_full, rest = divmod(budget.remaining, g)
+        else:
+            per = max(1.0, self.state.tokens_per_rollout or cfg.max_rollout_tokens / 4)
+            n_full, rest = int(budget.remaining // (g * per)), 0
+        if n_full == 0 and rest < 2:
+            return
+        first = len(tasks)
+        tasks.extend(self._sample_tasks(step, n_full + (1 if rest >= 2 else 0), stream=(6,)))
+        reqs = self._base_requests(tasks, first, n_full)
+        if rest >= 2:  # a smaller last group still compares its rollouts
+            fam, task = tasks[-1]
+            reqs += [RolloutRequest(task=task, env=self.runners[fam], system=self.envs[fam].system_prompt(),
+                                    group=len(tasks) - 1) for _ in range(rest)]
+        trajs = self._generate(reqs, _seed(cfg.run.seed, step, 6), budget)
+        budget.charge("base", cost_of(trajs, cfg.budget.unit))
+        self._score(trajs, tasks)
+        all_trajs += trajs
+        self._add_groups(groups, tasks, trajs, first)
+
     def step(self, step: int) -> dict[str, float]:
         cfg, g = self.cfg, self.cfg.budget.group_size
         budget = self.ledger.open_step()
@@ -195,10 +328,7 @@ class Trainer:
         n_groups = self.controller.plan_base(budget.limit, g, cfg.budget.unit,
                                              tokens_per_rollout=self.state.tokens_per_rollout or cfg.max_rollout_tokens / 4)
         tasks = self._sample_tasks(step, n_groups)
-        requests = [RolloutRequest(task=task, env=self.runners[fam], system=self.envs[fam].system_prompt(), group=i)
-                    for i, (fam, task) in enumerate(tasks) for _ in range(g)]
-        cap = budget.remaining if cfg.budget.unit == "tokens" else None
-        trajs = self.engine.generate(requests, self.params, seed=_seed(cfg.run.seed, step, 2), max_new_tokens=cap)
+        trajs = self._generate(self._base_requests(tasks, 0, n_groups), _seed(cfg.run.seed, step, 2), budget)
         budget.charge("base", cost_of(trajs, cfg.budget.unit))
         t_gen = time.perf_counter() - t
 
@@ -207,43 +337,112 @@ class Trainer:
         t_score = time.perf_counter() - t
 
         t = time.perf_counter()
-        groups = [GroupView(i, task, [tr for tr in trajs if tr.group == i]) for i, (_, task) in enumerate(tasks)]
-        for gv in groups:
-            gv.rewards = [tr.reward for tr in gv.trajectories]
-        decisions = self.controller.decide(groups, budget.remaining, cfg.budget.unit)
-        if decisions:  # the interventions issue wires the operators in here
-            raise RunError(f"controller '{cfg.controller.name}' returned interventions, but no operator runs them")
-        t_ctl = time.perf_counter() - t
+        groups: list[GroupView] = []
+        self._add_groups(groups, tasks, trajs, 0)
+        all_trajs = list(trajs)
+        outcomes = self._intervene(step, budget, groups, tasks, all_trajs)
+        self._top_up(step, budget, groups, tasks, all_trajs)
+        t_ctl = time.perf_counter() - t  # includes the interventions' generation; time/controller_s is the total
 
         t = time.perf_counter()
-        batch = self.learner.prepare(trajs)
+        compose = cfg.controller.compose if cfg.controller.compose != "auto" else self.controller.compose
+        batch = self.learner.prepare(all_trajs, compose=compose)
         upd = self.learner.update(batch, torch.Generator().manual_seed(_seed(cfg.run.seed, step, 3)))
         t_upd = time.perf_counter() - t
 
-        n_gen = [tr.n_generated for tr in trajs]
-        self.state.tokens_per_rollout = float(np.mean(n_gen)) if n_gen else 0.0
-        calls = [tr.tool_calls() for tr in trajs]
+        trajs = all_trajs
+        base = [tr for tr in trajs if tr.intervention is None]
+        n_gen = [tr.n_generated for tr in base]
+        if n_gen:
+            self.state.tokens_per_rollout = float(np.mean(n_gen))
+        calls = [tr.tool_calls() for tr in base]
         n_calls = sum(c for c, _ in calls)
-        rewards = np.array([tr.reward for tr in trajs])
+        rewards = np.array([tr.reward for tr in base])
         m = {
             "rollout/reward_mean": float(rewards.mean()),
             "rollout/success_rate": float((rewards >= 1.0).mean()),
             "rollout/tokens_mean": float(np.mean(n_gen)),
-            "rollout/turns_mean": float(np.mean([tr.n_turns for tr in trajs])),
-            "rollout/truncated_share": float(np.mean([tr.truncated for tr in trajs])),
+            "rollout/turns_mean": float(np.mean([tr.n_turns for tr in base])),
+            "rollout/truncated_share": float(np.mean([tr.truncated for tr in base])),
             "rollout/tool_failure_rate": (sum(f for _, f in calls) / n_calls) if n_calls else 0.0,
-            "rollout/rubric_progress": float(np.mean([tr.rubric.progress for tr in trajs])),
-            "rollout/count": float(len(trajs)),
+            "rollout/rubric_progress": float(np.mean([tr.rubric.progress for tr in base])),
+            "rollout/count": float(len(base)),
             "groups/count": batch.stats["groups"],
             "groups/zero_variance_share": batch.stats["zero_variance_share"],
             "groups/all_tools_failed_trajectories": batch.stats["all_tools_failed"],
             "groups/trained_trajectories": batch.stats["kept"],
+            "shift/measured": batch.stats["shift_measured"],
+            "shift/accepted": batch.stats["shift_accepted"],
+            "shift/rejected": batch.stats["shift_rejected"],
+            "shift/mean": batch.stats["shift_mean"],
+            "shift/max": batch.stats["shift_max"],
             "time/generate_s": t_gen, "time/score_s": t_score, "time/controller_s": t_ctl, "time/update_s": t_upd,
         }
+        m.update(self._intervention_metrics(groups, outcomes, budget))
         m.update({f"loss/{k}": v for k, v in upd.items()})
         m.update(self.ledger.close_step(budget))
         for k, v in (("generate", t_gen), ("score", t_score), ("controller", t_ctl), ("update", t_upd)):
             self.timings[k] += v
+        return m
+
+    def _intervention_metrics(self, groups: list, outcomes: list, budget) -> dict[str, float]:
+        """Per operator and placement (how@where): decisions, rollouts, successes, shift-filter acceptance and
+        the groups each turned from zero-variance to informative; totals are kept for the summary."""
+        per: dict[str, dict[str, float]] = {}
+        trained = {gv.group for gv in groups if any(t.status == "trained" for t in gv.trajectories)}
+        for o in outcomes:
+            if o.decision.refill:
+                continue
+            key = o.decision.intervention.key
+            d = per.setdefault(key, dict.fromkeys(STAT_KEYS, 0.0))
+            d["decisions"] += 1
+            d["rollouts"] += len(o.trajectories)
+            d["cost"] += o.cost
+            d["successes"] += o.successes
+            d["probes"] += len(o.trajectories) if o.decision.probe else 0
+            d["rejected"] += sum(t.status == "shift_rejected" for t in o.trajectories)
+            d["accepted"] += sum(t.status not in ("shift_rejected", "probe") for t in o.trajectories)
+        rescued_by: dict[str, int] = {}
+        intervened_zero = 0
+        for gv in groups:
+            if not gv.interventions or not gv.zero_variance_base:
+                continue
+            intervened_zero += 1
+            if gv.group in trained:
+                for key in set(gv.interventions):
+                    rescued_by[key] = rescued_by.get(key, 0) + 1
+        for key, n in rescued_by.items():
+            per[key]["rescued"] = float(n)
+        rescued = sum(1 for gv in groups if gv.interventions and gv.zero_variance_base and gv.group in trained)
+        tot = self.state.interventions
+        for key, d in per.items():
+            acc = tot.setdefault(key, dict.fromkeys(STAT_KEYS, 0.0))
+            for k, v in d.items():
+                acc[k] += v
+        tot_all = self.state.intervention_totals
+        for k, v in (("intervened_zero_variance_groups", intervened_zero), ("rescued_groups", rescued),
+                     ("zero_variance_groups", sum(gv.zero_variance_base for gv in groups if gv.n_base))):
+            tot_all[k] = tot_all.get(k, 0.0) + v
+        m: dict[str, float] = {}
+        for key, d in per.items():
+            m[f"intervention/{key}/decisions"] = d["decisions"]
+            m[f"intervention/{key}/rollouts"] = d["rollouts"]
+            m[f"intervention/{key}/success_rate"] = d["successes"] / d["rollouts"] if d["rollouts"] else 0.0
+            measured = d["accepted"] + d["rejected"]
+            m[f"intervention/{key}/accepted_share"] = d["accepted"] / measured if measured else 0.0
+            m[f"intervention/{key}/rescued_groups"] = d["rescued"]
+        n_roll = sum(d["rollouts"] for d in per.values())
+        n_acc = sum(d["accepted"] for d in per.values())
+        n_rej = sum(d["rejected"] for d in per.values())
+        m.update({
+            "intervention/decisions": float(sum(d["decisions"] for d in per.values())),
+            "intervention/rollouts": float(n_roll),
+            "intervention/success_rate": sum(d["successes"] for d in per.values()) / n_roll if n_roll else 0.0,
+            "intervention/accepted_share": n_acc / (n_acc + n_rej) if n_acc + n_rej else 0.0,
+            "intervention/rescued_groups": float(rescued),
+            "intervention/rescue_rate": rescued / intervened_zero if intervened_zero else 0.0,
+            "intervention/budget_share": budget.spent["intervention"] / budget.limit if budget.limit else 0.0,
+        })
         return m
 
     # ------------------------------------------------------------------ run
@@ -327,7 +526,34 @@ class Trainer:
                      "easy_initial": mean_over(initial, easy), "easy_final": mean_over(final, easy),
                      "beyond_initial": mean_over(initial, beyond), "beyond_final": mean_over(final, beyond)},
             "boundary": boundary,
+            "interventions": self._intervention_summary(),
             "time": {k: round(v, 3) for k, v in self.timings.items()},
+        }
+
+
+    def _intervention_summary(self) -> dict:
+        st, spent = self.state, self.ledger.spent
+        tot = st.intervention_totals
+        by = {k: {n: int(v) for n, v in d.items()} for k, d in sorted(st.interventions.items())}
+        acc = sum(d["accepted"] for d in st.interventions.values())
+        rej = sum(d["rejected"] for d in st.interventions.values())
+        rolls = sum(d["rollouts"] for d in st.interventions.values())
+        succ = sum(d["successes"] for d in st.interventions.values())
+        for d in by.values():
+            measured = d["accepted"] + d["rejected"]
+            d["success_rate"] = round(d["successes"] / d["rollouts"], 4) if d["rollouts"] else 0.0
+            d["accepted_share"] = round(d["accepted"] / measured, 4) if measured else 0.0
+        total = spent["base"] + spent["intervention"]
+        return {
+            "budget_share": spent["intervention"] / total if total else 0.0,
+            "rollouts": int(rolls),
+            "success_rate": succ / rolls if rolls else 0.0,
+            "acceptance_rate": acc / (acc + rej) if acc + rej else 0.0,
+            "rescued_groups": int(tot.get("rescued_groups", 0)),
+            "rescue_rate": (tot.get("rescued_groups", 0) / tot["intervened_zero_variance_groups"]
+                            if tot.get("intervened_zero_variance_groups") else 0.0),
+            "zero_variance_groups": int(tot.get("zero_variance_groups", 0)),
+            "by_operator": by,
         }
 
 

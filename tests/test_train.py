@@ -98,11 +98,16 @@ def test_step_budget_refuses_overspending():
 def test_smoke_run_trains_and_writes_everything(tmp_path, cache_dir):
     db = tmp_path / "mlflow.db"
     # The smoke policy is too small to solve tasks (its tool calls mostly fail, and every group would have
-    # zero variance); a verifier that rewards even-length first turns gives groups a spread to learn from.
+    # zero variance); a verifier that pays every other rollout gives every group a spread to learn from.
     cfg = smoke(tmp_path, cache_dir, "learner.mask_all_tools_failed=false", uri=f"sqlite:///{db}")
     trainer, out = start_run(cfg, show_progress=False)
+    calls = [0]
+
+    def alternating(task, steps):
+        calls[0] += 1
+        return float(calls[0] % 2)
     for env in trainer.envs.values():
-        env.reward = lambda task, steps: float(len(steps[0].text.split()) % 2 == 0) if steps else 0.0
+        env.reward = alternating
     before = [p.detach().clone() for p in trainer.model.parameters()]
     summary = trainer.run()
     changed = sum(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))

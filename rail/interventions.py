@@ -1,0 +1,191 @@
+"""Intervention operators: *where* to branch, *how* to help, *how many* rollouts to spend.
+
+An :class:`Intervention` names an operator variant; :func:`plan` turns it, for one scored group, into
+rollout requests and a cost known before anything runs. The operators (``docs/algorithms.md`` says where
+each comes from):
+
+- ``resample`` — branch fresh rollouts from a prefix of a failed trajectory, nothing added (tree rollouts);
+- ``rubric_hint`` — at the branch point, a user message with the evidence of the first violated rubric item
+  (RTI-style); the policy continues;
+- ``action_guide`` — a plan in the prompt listing the first ``plan_len`` reference actions (ActGuide-style);
+- ``guided_step`` — the reference action for the violated item written as the policy's own turn, executed by
+  the environment; the policy continues.
+
+Branch points (``where``): ``start`` (turn 0), ``violation`` (the turn at which the source trajectory first
+violated a rubric item) or ``before`` (one turn earlier). The source is the group's failed trajectory with the
+most rubric progress (ties: the one that violated latest, then the lowest index), so a branch keeps the most
+correct work. Every intervened trajectory carries ``Trajectory.intervention``: what was done to it.
+
+The learned controller describes interventions with :meth:`Intervention.features`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from policy.engine import RolloutRequest
+from policy.records import Guidance, Trajectory
+
+HOWS = ("resample", "rubric_hint", "action_guide", "guided_step")
+WHERES = ("start", "violation", "before")
+#: Words guidance text uses besides the environments' own; part of the policy's vocabulary.
+GUIDANCE_WORDS = ("plan", ":", ";")
+
+
+@dataclass(frozen=True)
+class Intervention:
+    """One operator variant. ``plan_len`` (``action_guide`` only): reference actions listed, 0 = up to and
+    including the violated item."""
+
+    how: str
+    where: str
+    how_many: int
+    plan_len: int = 0
+
+    def __post_init__(self):
+        if self.how not in HOWS:
+            raise ValueError(f"unknown intervention operator {self.how!r}; one of {', '.join(HOWS)}")
+        if self.where not in WHERES:
+            raise ValueError(f"unknown branch point {self.where!r}; one of {', '.join(WHERES)}")
+        if self.how_many < 1:
+            raise ValueError(f"how_many must be >= 1, got {self.how_many}")
+
+    @property
+    def key(self) -> str:
+        """``how@where``: the name metrics are grouped under."""
+        return f"{self.how}@{self.where}"
+
+    @property
+    def name(self) -> str:
+        plan = f",m={self.plan_len}" if self.how == "action_guide" and self.plan_len else ""
+        return f"{self.key}x{self.how_many}{plan}"
+
+    def to_dict(self) -> dict:
+        return {"how": self.how, "where": self.where, "how_many": self.how_many, "plan_len": self.plan_len}
+
+    @classmethod
+    def parse(cls, text: str, how_many: int) -> "Intervention":
+        """``how@where`` (as in config lists) -> an Intervention with ``how_many`` rollouts."""
+        how, _, where = text.partition("@")
+        return cls(how.strip(), (where or "violation").strip(), how_many)
+
+    def features(self) -> dict[str, float]:
+        """Action features for a contextual bandit: one-hot components and the size."""
+        f = {f"how={self.how}": 1.0, f"where={self.where}": 1.0, "how_many": float(self.how_many)}
+        if self.how == "action_guide":
+            f["plan_len"] = float(self.plan_len)
+        return f
+
+
+@dataclass
+class Plan:
+    """An intervention made concrete for one group: the requests to run and what they will cost."""
+
+    group: int
+    intervention: Intervention
+    source: int  # index, within the group's trajectories, of the trajectory it branches from
+    branch_turn: int
+    item: int  # rubric item the help is about (the source's first violated item)
+    cost: int  # in budget units; rollouts: exact; tokens: an estimate (the actual spend is charged)
+    requests: list[RolloutRequest]
+    probe: bool = False  # probe rollouts are charged but not trained on (ActGuide's plan-length search)
+
+
+def source_index(trajs: Sequence[Trajectory]) -> int | None:
+    """The failed trajectory to branch from: most rubric progress, then latest violation, then lowest index."""
+    failed = [i for i, t in enumerate(trajs) if t.reward < 1.0 and t.rubric is not None
+              and t.rubric.first_violated is not None]
+    if not failed:
+        return None
+    return max(failed, key=lambda i: (trajs[i].rubric.progress, trajs[i].rubric.violated_turn or 0, -i))
+
+
+def branch_turn(traj: Trajectory, where: str) -> int | None:
+    """The number of turns to keep from ``traj`` for a branch at ``where``; None when there is no such point.
+
+    A branch must start at a turn the trajectory reached with the episode still open.
+    """
+    if where == "start":
+        return 0
+    t = traj.rubric.violated_turn
+    if t is None:
+        return None
+    if where == "before":
+        t -= 1
+        if t < 0:
+            return None
+    t = min(t, traj.n_turns)
+    if t > 0 and traj.steps[t - 1].done:
+        return None
+    return t
+
+
+def hint_text(task: Any, item: int) -> str:
+    """The RTI-style hint: the evidence of rubric item ``item``."""
+    return task.rubric[item].evidence
+
+
+def plan_text(task: Any, plan_len: int) -> str:
+    """The ActGuide-style plan: ``plan : a1 ; a2 ; ...`` with the first ``plan_len`` reference actions."""
+    acts = task.action_guide[:plan_len]
+    return "plan : " + " ; ".join(a.render() for a in acts)
+
+
+def _branch(iv: Intervention, tr: Trajectory) -> int | None:
+    """Where ``iv`` branches ``tr``, or None when it cannot act on it."""
+    t = branch_turn(tr, iv.where)
+    if iv.how == "guided_step" and iv.where != "violation":
+        return None  # the reference step for the violated item belongs at the violation, nowhere else
+    return t
+
+
+def legal(group: Sequence[Trajectory], menu: Sequence[Intervention]) -> list[Intervention]:
+    """The interventions of ``menu`` that can act on this group: it has a failed trajectory to work from and
+    the branch point exists there."""
+    src = source_index(group)
+    if src is None:
+        return []
+    return [iv for iv in menu if _branch(iv, group[src]) is not None]
+
+
+def estimate_tokens(group: Sequence[Trajectory], task: Any, turn: int, max_tokens_per_turn: int) -> float:
+    """Expected generated tokens of one rollout branched at ``turn``: the reference turns left times the
+    group's mean tokens per turn (at most the per-turn cap)."""
+    per_turn = [t.n_generated / max(1, t.n_turns - t.prefix_turns) for t in group if t.n_turns > t.prefix_turns]
+    mean = sum(per_turn) / len(per_turn) if per_turn else float(max_tokens_per_turn)
+    turns_left = max(1, len(task.action_guide) - turn)
+    return min(float(max_tokens_per_turn), mean) * turns_left
+
+
+def plan(intervention: Intervention, group_index: int, group: Sequence[Trajectory], task: Any, env: Any,
+         system: str, unit: str, max_tokens_per_turn: int, probe: bool = False) -> Plan | None:
+    """Turn ``intervention`` into requests for one group; None when it is not legal there."""
+    iv = intervention
+    src = source_index(group)
+    if src is None:
+        return None
+    tr = group[src]
+    t = _branch(iv, tr)
+    if t is None:
+        return None
+    item = tr.rubric.first_violated
+    guidance = None
+    if iv.how == "rubric_hint":
+        guidance = Guidance(hint=hint_text(task, item))
+    elif iv.how == "action_guide":
+        m = iv.plan_len or item + 1
+        guidance = Guidance(plan=plan_text(task, min(m, len(task.action_guide))))
+    elif iv.how == "guided_step":
+        guidance = Guidance(inject=task.rubric[item].action.render())
+    record = {**iv.to_dict(), "key": iv.key, "source": src, "branch_turn": t, "item": item, "probe": probe}
+    reqs = [RolloutRequest(task=task, env=env, system=system, group=group_index,
+                           prefix=tr if t > 0 else None, prefix_turns=t, guidance=guidance,
+                           intervention=dict(record))
+            for _ in range(iv.how_many)]
+    if unit == "rollouts":
+        cost = iv.how_many
+    else:
+        left = t + (1 if iv.how == "guided_step" else 0)
+        cost = int(round(iv.how_many * estimate_tokens(group, task, left, max_tokens_per_turn)))
+    return Plan(group_index, iv, src, t, item, max(1, cost), reqs, probe)

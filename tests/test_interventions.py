@@ -1,0 +1,297 @@
+"""Intervention operators, learning from intervened rollouts (stripping, ratio, shift filter, composition) and
+the fixed controllers' budget discipline, on the real environments and a tiny real transformers model."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from policy import grpo
+from policy.engine import SamplingParams, TransformersEngine
+from policy.learner import GRPOLearner, LearnerSettings
+from policy.model import build_tiny_model
+from policy.records import Origin
+from policy.tokenizer import ChatRenderer, build_word_tokenizer
+from rail import interventions as ivs
+from rail.controllers import CONTROLLERS
+from rail.envs import Action, ToolRunner, make_env, rubric_status
+from rail.envs.lookup import RELATIONS
+from rail.interventions import Intervention
+from rail.policy_setup import reference_trajectory, vocabulary
+
+
+@pytest.fixture(scope="module")
+def env():
+    return make_env("lookup", 0)
+
+
+@pytest.fixture(scope="module")
+def tok(env):
+    return build_word_tokenizer(vocabulary({"lookup": env}))
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return build_tiny_model(len(tok), hidden_size=32, layers=2, heads=2, kv_heads=1, intermediate_size=64,
+                            max_positions=512, seed=0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+
+
+@pytest.fixture(scope="module")
+def task(env):
+    (t,) = [t for t in env.sample_tasks(np.random.default_rng(3), [3], 20) if t.level == 3][:1]
+    return t
+
+
+def failed_at_second_call(env, task, renderer):
+    """A hand-made failure: the first lookup right, the second with a wrong relation, then consistent."""
+    guide = list(task.action_guide)
+    rel = guide[1].args[1]
+    other = next(r for r in RELATIONS if r != rel)
+    actions = [guide[0], Action("lookup", (guide[1].args[0], other)), *guide[2:]]
+    tr = reference_trajectory(env, task, renderer, actions=actions)
+    tr.reward = env.reward(task, tr.steps)
+    tr.rubric = rubric_status(env, task, tr.steps)
+    return tr
+
+
+def plan_for(iv, src, task, env):
+    return ivs.plan(iv, 0, [src], task, ToolRunner(env), env.system_prompt(), "rollouts", 12)
+
+
+# ------------------------------------------------------------------------------------------ operators
+def test_failed_trajectory_and_source_choice(env, tok, task):
+    r = ChatRenderer(tok)
+    bad = failed_at_second_call(env, task, r)
+    good = reference_trajectory(env, task, r)
+    good.rubric = rubric_status(env, task, good.steps)
+    assert bad.reward == 0.0 and bad.rubric.first_violated == 1 and bad.rubric.violated_turn == 1
+    assert ivs.source_index([good, bad]) == 1  # the failed one, even though the success has more progress
+    worse = failed_at_second_call(env, task, r)
+    worse.rubric = rubric_status(env, task, worse.steps[:0])  # no progress at all
+    assert ivs.source_index([worse, bad]) == 1
+    assert ivs.source_index([good]) is None
+
+
+@pytest.mark.parametrize("how, where, turn", [
+    ("resample", "violation", 1), ("resample", "before", 0), ("resample", "start", 0),
+    ("rubric_hint", "violation", 1), ("rubric_hint", "start", 0),
+    ("action_guide", "start", 0), ("action_guide", "violation", 1), ("guided_step", "violation", 1),
+])
+def test_each_operator_builds_the_expected_requests(env, tok, task, how, where, turn):
+    src = failed_at_second_call(env, task, ChatRenderer(tok))
+    p = plan_for(Intervention(how, where, 3), src, task, env)
+    assert p is not None and p.branch_turn == turn and p.item == 1 and p.cost == 3 and len(p.requests) == 3
+    req = p.requests[0]
+    assert req.prefix_turns == turn and (req.prefix is src) == (turn > 0)
+    g = req.guidance
+    if how == "resample":
+        assert g is None
+    elif how == "rubric_hint":
+        assert g.hint == task.rubric[1].evidence and g.plan is None and g.inject is None
+    elif how == "action_guide":  # up to and including the violated item
+        assert g.plan == "plan : " + " ; ".join(a.render() for a in task.action_guide[:2])
+    else:
+        assert g.inject == task.action_guide[1].render()
+    assert req.intervention["key"] == f"{how}@{where}" and req.intervention["branch_turn"] == turn
+
+
+def test_illegal_interventions_are_refused(env, tok, task):
+    r = ChatRenderer(tok)
+    src = failed_at_second_call(env, task, r)
+    assert plan_for(Intervention("guided_step", "before", 2), src, task, env) is None
+    assert plan_for(Intervention("guided_step", "start", 2), src, task, env) is None
+    good = reference_trajectory(env, task, r)
+    good.reward, good.rubric = 1.0, rubric_status(env, task, good.steps)
+    assert ivs.legal([good], [Intervention("resample", "start", 2)]) == []  # nothing failed: nothing to fix
+    first = failed_at_second_call(env, task, r)
+    first.rubric = rubric_status(env, task, first.steps[:0])  # violated at turn 0: no turn before it
+    assert plan_for(Intervention("resample", "before", 2), first, task, env) is None
+
+
+def test_token_costs_are_cheaper_for_late_branches(env, tok, task):
+    src = failed_at_second_call(env, task, ChatRenderer(tok))
+    src.n_generated = sum(1 for o in src.origin if o == Origin.POLICY)
+    cost = {w: ivs.plan(Intervention("resample", w, 2), 0, [src], task, ToolRunner(env), env.system_prompt(),
+                        "tokens", 12).cost for w in ("start", "violation")}
+    assert 0 < cost["violation"] < cost["start"]
+
+
+def test_intervened_rollouts_continue_the_prefix_and_train_without_guidance(env, tok, model, task):
+    r = ChatRenderer(tok)
+    eng = TransformersEngine(model, r)
+    src = failed_at_second_call(env, task, r)
+    params = SamplingParams(temperature=1.0, max_tokens_per_turn=12, max_turns=8)
+    unguided_prompt = r.prompt(env.system_prompt(), task.prompt)
+    plan_id = tok.convert_tokens_to_ids("plan")
+    for how in ("rubric_hint", "action_guide", "guided_step", "resample"):
+        p = plan_for(Intervention(how, "violation", 2), src, task, env)
+        trs = eng.generate(p.requests, params, seed=1)
+        for tr in trs:
+            assert tr.intervention["how"] == how and tr.prefix_turns == 1
+            assert tr.steps[0] is src.steps[0]  # the prefix is the source's first turn
+            ids, mask, *_ = tr.training_view()
+            assert ids[: len(unguided_prompt)] == unguided_prompt
+            n_guidance = sum(o == Origin.GUIDANCE for o in tr.origin)
+            assert len(ids) == len(unguided_prompt) + len(tr.ids) - n_guidance and plan_id not in ids
+            assert (n_guidance > 0) == (how == "rubric_hint")
+            assert (tr.prompt_ids != tr.train_prompt_ids) == (how == "action_guide")
+            n_src = sum(1 for t in src.turn if t < 1)
+            assert ids[len(unguided_prompt): len(unguided_prompt) + n_src - 8] == src.ids[: n_src - 8]
+            if how == "guided_step":  # the injected call is context, executed, never trained
+                inj = [k for k, o in enumerate(tr.origin) if o == Origin.INJECTED]
+                assert inj and tr.steps[1].text == task.action_guide[1].render() and tr.steps[1].ok
+                assert r.decode([tr.ids[k] for k in inj]).replace(" ", "") == task.action_guide[1].render().replace(" ", "")
+            assert tr.context_shifted == (how in ("rubric_hint", "action_guide"))
+
+
+# ------------------------------------------------------------------------------------------ shift and ratio
+def test_shift_measure_by_hand():
+    train = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, 0.0, 0.0]])
+    beh = torch.tensor([[-0.5, -1.0, -9.0], [-1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    s = grpo.shift_measure(train, beh, mask)
+    assert s.tolist() == pytest.approx([(0.5 + 1.0) / 2, 2.0])
+    assert grpo.shift_measure(train, beh, torch.zeros_like(mask)).tolist() == [0.0, 0.0]
+
+
+def test_luffy_shaping_by_hand():
+    logp = torch.log(torch.tensor([[0.5, 0.2]])).requires_grad_()
+    old = torch.log(torch.tensor([[0.25, 0.2]]))
+    adv, mask = torch.tensor([[1.0, 1.0]]), torch.ones(1, 2)
+    off = torch.tensor([[True, False]])
+    loss, _ = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean", offpolicy_mask=off,
+                                 shaping_gamma=0.1)
+    # token 0: -pi/(pi+g) = -0.5/0.6, unclipped; token 1: ratio 1 -> -1
+    assert float(loss.detach()) == pytest.approx((-0.5 / 0.6 - 1.0) / 2)
+    loss.backward()
+    # d/dlogp of -pi/(pi+g) = -pi*g/(pi+g)^2, halved by the token mean
+    assert float(logp.grad[0, 0]) == pytest.approx(-0.5 * 0.1 / 0.36 / 2)
+
+
+def _learner(model, tok, **kw):
+    return GRPOLearner(model, LearnerSettings(lr=1e-3, epochs=1, minibatch_size=8, **kw), total_updates=10,
+                       pad_id=ChatRenderer(tok).pad)
+
+
+def test_learner_shift_and_ratio_match_a_hand_forward_pass(env, tok, model, task):
+    r = ChatRenderer(tok)
+    eng = TransformersEngine(model, r)
+    src = failed_at_second_call(env, task, r)
+    p = plan_for(Intervention("action_guide", "start", 2, plan_len=3), src, task, env)
+    trs = eng.generate(p.requests, SamplingParams(1.0, 1.0, 12, 8), seed=4)
+    learner = _learner(model, tok)
+    values = learner.shift_of(trs)
+    for tr, v in zip(trs, values):
+        ids, mask, lps, *_ = tr.training_view()
+        flags = tr.offpolicy_flags()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+        sel = [k for k in range(1, len(ids)) if flags[k]]
+        assert sel and all(mask[k] for k in sel)
+        by_hand = sum(lps[k] - float(lp[k - 1]) for k in sel) / len(sel)
+        assert v == pytest.approx(by_hand, abs=1e-4)
+        # the importance ratio the loss uses on those tokens: pi(y | stripped) / pi_behaviour(y | guided)
+        ratio = [math.exp(float(lp[k - 1]) - lps[k]) for k in sel]
+        assert math.exp(-by_hand) == pytest.approx(math.exp(sum(math.log(x) for x in ratio) / len(ratio)), rel=1e-4)
+
+
+def test_shift_filter_drops_trajectories_over_the_threshold(env, tok, model, task):
+    r = ChatRenderer(tok)
+    eng = TransformersEngine(model, r)
+    src = failed_at_second_call(env, task, r)
+    src.group = 0
+    base = eng.generate(plan_for(Intervention("resample", "start", 4), src, task, env).requests,
+                        SamplingParams(1.0, 1.0, 12, 8), seed=2)
+    for t in base:
+        t.intervention = None
+        t.reward = 0.0
+    guided = eng.generate(plan_for(Intervention("action_guide", "start", 4, plan_len=4), src, task, env).requests,
+                          SamplingParams(1.0, 1.0, 12, 8), seed=3)
+    for k, t in enumerate(guided):
+        t.reward = float(k % 2)
+    learner = _learner(model, tok)
+    shifts = learner.shift_of(guided)
+    thr = sorted(shifts)[1] + 1e-9  # keeps the two smallest
+    learner.s = LearnerSettings(**{**learner.s.__dict__, "shift_threshold": thr})
+    batch = learner.prepare(base + guided)
+    rejected = [t for t in guided if t.status == "shift_rejected"]
+    assert len(rejected) == 2 and all(t.shift > thr for t in rejected)
+    assert not any(t is b for t in rejected for b in batch.trajectories)
+    assert batch.stats["shift_rejected"] == 2 and batch.stats["shift_accepted"] == 2
+    assert all(t.shift is None for t in base)  # on-policy rollouts are not measured
+
+
+def test_mix_and_replace_composition_and_probes(env, tok, model, task):
+    r = ChatRenderer(tok)
+    eng = TransformersEngine(model, r)
+    src = failed_at_second_call(env, task, r)
+    trs = eng.generate(plan_for(Intervention("resample", "start", 6), src, task, env).requests,
+                       SamplingParams(1.0, 1.0, 12, 8), seed=2)
+    base, inter, probe = trs[:2], trs[2:5], trs[5:]
+    for t in base:
+        t.intervention, t.reward = None, 0.0
+    for k, t in enumerate(inter):
+        t.reward = float(k == 0)
+    probe[0].intervention = {**probe[0].intervention, "probe": True}
+    probe[0].reward = 1.0
+    learner = _learner(model, tok, mask_all_tools_failed=False)
+    mix = learner.prepare(base + inter + probe)
+    assert len(mix.trajectories) == 5 and probe[0].status == "probe"
+    # mix: the baseline is over 5 rewards [0, 0, 1, 0, 0]
+    assert mix.advantages[2] == pytest.approx((1 - 0.2) / (math.sqrt(0.16 * 5 / 4) + 1e-6), rel=1e-4)
+    rep = learner.prepare(base + inter + probe, compose="replace")
+    assert len(rep.trajectories) == 3 and all(t.status == "replaced" for t in base)
+    assert rep.stats["replaced"] == 2 and rep.stats["probes"] == 1
+
+
+# ------------------------------------------------------------------------------------------ controllers
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    from rail.config import build_config, parse_set
+    from rail.train import start_run
+
+    out = tmp_path_factory.mktemp("ctl")
+    cache = tmp_path_factory.mktemp("ws")
+    cfg = build_config("smoke", sets=[{"run": {"out": str(out / "run")}, "tracking": {"uri": ""},
+                                       "warmstart": {"cache_dir": str(cache)}},
+                                      parse_set("budget.rollouts_per_step=24"), parse_set("learner.mask_all_tools_failed=false")])
+    tr, _ = start_run(cfg, show_progress=False)
+    # the tiny smoke policy solves nothing: make half the tasks pay every other rollout, the rest never
+    calls = {"n": 0}
+    for e in tr.envs.values():
+        def reward(task, steps):
+            calls["n"] += 1
+            return float(zlib.crc32(task.id.encode()) % 2 == 0 and calls["n"] % 2 == 0)
+        e.reward = reward
+    return tr
+
+
+@pytest.mark.parametrize("name", list(CONTROLLERS))
+@pytest.mark.parametrize("unit", ["rollouts", "tokens"])
+def test_every_controller_spends_exactly_the_budget_and_never_more(trainer, name, unit):
+    cfg = trainer.cfg
+    cfg.controller.name, cfg.budget.unit = name, unit
+    cfg.budget.tokens_per_step = 24 * 30
+    trainer.ledger.unit, trainer.ledger.per_step = unit, cfg.step_budget()
+    trainer.controller = CONTROLLERS[name](config=cfg)
+    spent_on_interventions = 0.0
+    for step in (1, 2):
+        m = trainer.step(step)
+        spent_on_interventions += m["budget/step_intervention"]
+        used = m["budget/step_base"] + m["budget/step_intervention"]
+        assert used <= m["budget/step_limit"]
+        if unit == "rollouts":
+            assert used == m["budget/step_limit"], f"{name} left {m['budget/step_left']} unspent"
+        else:
+            assert m["budget/step_left"] < cfg.budget.group_size * cfg.max_rollout_tokens
+    if name in ("none", "dapo"):  # dapo refills with fresh base groups
+        assert spent_on_interventions == 0
+    elif unit == "rollouts":  # (a token budget may be gone after the smoke policy's long base rollouts)
+        assert spent_on_interventions > 0, f"{name} never intervened"
+    cfg.budget.unit = "rollouts"
+    trainer.ledger.unit, trainer.ledger.per_step = "rollouts", cfg.step_budget()
