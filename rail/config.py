@@ -31,7 +31,7 @@ class RunConfig:
     name: str = F("default", "Run name; the output directory defaults to runs/<name>.")
     out: str = F("", "Output directory (empty: runs/<name>). Must not already hold a run unless resuming.")
     seed: int = F(0, "Seed for everything: environments, task streams, sampling, initialisation.")
-    steps: int = F(60, "Number of training steps (each generates one step's budget of rollouts).")
+    steps: int = F(100, "Number of training steps (each generates one step's budget of rollouts).")
     checkpoint_every: int = F(10, "Write a checkpoint every this many steps (and always at the end).")
     threads: int = F(0, "torch intra-op threads (0: leave torch's default).")
 
@@ -69,7 +69,7 @@ class EnvConfig:
 @dataclass
 class RolloutConfig:
     engine: str = F("transformers", "Rollout engine: 'transformers' (CPU/GPU).")
-    temperature: float = F(1.0, "Sampling temperature of training rollouts.")
+    temperature: float = F(0.7, "Sampling temperature of training rollouts.")
     top_p: float = F(1.0, "Nucleus sampling threshold of training rollouts.")
     max_turns: int = F(8, "Maximum assistant turns per episode.")
     max_tokens_per_turn: int = F(12, "Maximum tokens per assistant turn.")
@@ -127,10 +127,10 @@ class ControllerConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = F(20, "Evaluate held-out tasks every this many steps (and at the start and the end).")
+    every: int = F(25, "Evaluate held-out tasks every this many steps (and at the start and the end).")
     tasks_per_level: int = F(48, "Held-out tasks per family and level.")
-    levels: list[int] = F([1, 2, 3, 4, 5, 6], "Levels evaluated.")
-    temperature: float = F(1.0, "Sampling temperature at evaluation (0: greedy); success = pass@1.")
+    levels: list[int] = F([1, 2, 3, 4], "Levels evaluated.")
+    temperature: float = F(0.7, "Sampling temperature at evaluation (0: greedy); success = pass@1.")
 
 
 @dataclass

@@ -43,9 +43,22 @@ def format_summary(s: dict, out: Path) -> str:
         "",
         f"easy levels {e['easy_levels']}: {e['easy_initial']:.3f} -> {e['easy_final']:.3f}   "
         f"beyond {e['beyond_levels']}: {e['beyond_initial']:.3f} -> {e['beyond_final']:.3f}",
+        *_interventions(s.get("interventions")),
         "boundary (levels unsolved at the start): "
         + ", ".join(f"{f}: {v['unsolved_at_start']}" for f, v in s["boundary"].items()),
         "time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in s["time"].items()),
         f"outputs: {out}/summary.json, metrics.jsonl, checkpoints/",
     ]
     return "\n".join(lines)
+
+
+def _interventions(iv: dict | None) -> list[str]:
+    if not iv or not iv.get("by_operator"):
+        return []
+    rows = [[key, str(d["decisions"]), str(d["rollouts"]), f"{d['success_rate']:.2f}",
+             f"{d['accepted_share']:.2f}", str(d["rescued"])] for key, d in iv["by_operator"].items()]
+    return ["",
+            f"interventions: {iv['budget_share']:.1%} of the budget, {iv['rollouts']} rollouts, success "
+            f"{iv['success_rate']:.2f}, accepted by the shift filter {iv['acceptance_rate']:.2f}, "
+            f"rescued {iv['rescued_groups']} zero-variance groups (rescue rate {iv['rescue_rate']:.2f})",
+            _table(rows, ["operator", "decisions", "rollouts", "success", "accepted", "rescued"]), ""]

@@ -402,17 +402,15 @@ class Trainer:
             d["probes"] += len(o.trajectories) if o.decision.probe else 0
             d["rejected"] += sum(t.status == "shift_rejected" for t in o.trajectories)
             d["accepted"] += sum(t.status not in ("shift_rejected", "probe") for t in o.trajectories)
-        rescued_by: dict[str, int] = {}
-        intervened_zero = 0
-        for gv in groups:
-            if not gv.interventions or not gv.zero_variance_base:
+        # a rescue is credited to the interventions whose accepted rollouts broke the tie of a zero-variance group
+        for o in outcomes:
+            gv = groups[o.decision.group] if not o.decision.refill else None
+            if gv is None or not gv.zero_variance_base or gv.group not in trained or not gv.base:
                 continue
-            intervened_zero += 1
-            if gv.group in trained:
-                for key in set(gv.interventions):
-                    rescued_by[key] = rescued_by.get(key, 0) + 1
-        for key, n in rescued_by.items():
-            per[key]["rescued"] = float(n)
+            tie = gv.base[0].reward
+            if any(t.status == "trained" and abs(t.reward - tie) > 1e-3 for t in o.trajectories):
+                per[o.decision.intervention.key]["rescued"] += 1
+        intervened_zero = sum(1 for gv in groups if gv.interventions and gv.zero_variance_base)
         rescued = sum(1 for gv in groups if gv.interventions and gv.zero_variance_base and gv.group in trained)
         tot = self.state.interventions
         for key, d in per.items():
@@ -498,7 +496,14 @@ class Trainer:
                 self.tracker.close("FAILED")
         summary = self.summary()
         write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=1, sort_keys=True))
-        self.tracker.log_metrics({"summary/wall_seconds": summary["wall_seconds"]}, self.state.step)
+        iv = summary["interventions"]
+        self.tracker.log_metrics({"summary/wall_seconds": summary["wall_seconds"],
+                                  "summary/intervention_budget_share": iv["budget_share"],
+                                  "summary/intervention_success_rate": iv["success_rate"],
+                                  "summary/shift_acceptance_rate": iv["acceptance_rate"],
+                                  "summary/rescue_rate": iv["rescue_rate"],
+                                  "summary/easy_final": summary["eval"]["easy_final"],
+                                  "summary/beyond_final": summary["eval"]["beyond_final"]}, self.state.step)
         self.tracker.log_artifact(self.out / "summary.json")
         self.tracker.close("FINISHED")
         return summary

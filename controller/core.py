@@ -1,0 +1,290 @@
+"""The learned intervention controller: decide for a batch of groups under a budget, learn from outcomes,
+go live only when off-policy evaluation says it beats the heuristic it shadows.
+
+One decision per group and step. For each group the caller gives a context (shared features), the legal
+interventions with their features and costs, and what the shadowed heuristic would do. The controller adds
+the "no intervention" action itself (index 0, cost 0). See ``docs/controller.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from controller import estimators
+from controller.vw import Bandit, dsjson_line
+
+NONE = "none"
+MODES = ("shadow", "live")
+
+
+@dataclass
+class Action:
+    """A candidate intervention: a unique ``name`` within its group, features for the bandit, its cost."""
+
+    name: str
+    features: dict
+    cost: float
+
+
+@dataclass
+class Group:
+    """One decision request. ``heuristic`` is the name of the action the shadowed heuristic would take
+    (None: no intervention)."""
+
+    id: str
+    context: dict
+    actions: list[Action]
+    heuristic: str | None = None
+
+
+@dataclass
+class Decision:
+    id: str  # event id, used to report the outcome
+    group: str
+    action: Action  # Action(NONE, ..., 0) for no intervention
+    index: int  # position in the decision's action list (0 = none)
+    propensity: float  # probability with which it was chosen
+    mode: str
+
+    @property
+    def intervenes(self) -> bool:
+        return self.action.name != NONE
+
+
+@dataclass
+class Settings:
+    """Controller settings (``docs/controller.md``)."""
+
+    epsilon: float = 0.1  # the bandit's exploration when live
+    heuristic_epsilon: float = 0.3  # shadow: the heuristic's choice is mixed with this much uniform exploration
+    lr: float = 0.5
+    clip_p: float = 0.01
+    bits: int = 18
+    mode: str = "shadow"  # starting mode; "live" skips shadowing
+    window: int = 200  # recent events the gate evaluates
+    min_events: int = 60  # no gate check before this many events
+    check_every: int = 20  # events between gate checks
+    margin: float = 0.0  # go live when LB(V(bandit) - V(heuristic)) > margin
+    consecutive: int = 2  # ... in this many consecutive checks (and demote likewise)
+    alpha: float = 0.05  # one-sided level of the bounds
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for k in ("epsilon", "heuristic_epsilon"):
+            if not 0.0 < getattr(self, k) <= 1.0:
+                raise ValueError(f"{k} must be in (0, 1]: without exploration nothing can be learned off-policy")
+        if not 0.0 < self.clip_p < 1.0:
+            raise ValueError("clip_p must be in (0, 1)")
+        if self.window < 2 or self.check_every < 1 or self.consecutive < 1:
+            raise ValueError("window >= 2, check_every >= 1 and consecutive >= 1 are required")
+
+
+def _uniform01(seed: int, event_id: str) -> float:
+    h = hashlib.blake2b(f"{seed}:{event_id}".encode(), digest_size=8).digest()
+    return random.Random(int.from_bytes(h, "little")).random()
+
+
+def _sample(pmf: Sequence[float], u: float) -> int:
+    acc = 0.0
+    for i, p in enumerate(pmf):
+        acc += p
+        if u < acc:
+            return i
+    return len(pmf) - 1
+
+
+def _features(d: dict) -> dict:
+    """Features as DSJson wants them: strings are categorical, numbers numeric, booleans 0/1; NaN -> 0."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, bool):
+            out[k] = 1.0 if v else 0.0
+        elif isinstance(v, (int, float)):
+            out[k] = float(v) if math.isfinite(v) else 0.0
+        else:
+            out[k] = str(v)
+    return out
+
+
+class LearnedController:
+    def __init__(self, settings: Settings | None = None, seed: int = 0, trace_dir: str | os.PathLike | None = None):
+        self.s = settings or Settings()
+        self.seed = seed
+        self.bandit = Bandit(self.s.epsilon, self.s.lr, self.s.clip_p, self.s.bits)
+        self.mode = self.s.mode
+        self.window: deque = deque(maxlen=self.s.window)
+        self.learned = 0  # events learned so far (the learn order)
+        self.decided = 0
+        self.passes = 0
+        self.transitions: list[dict] = []
+        self.last_gate: dict = {}
+        self._pending: dict[str, dict] = {}
+        self.trace_dir = Path(trace_dir) if trace_dir is not None else None
+        if self.trace_dir is not None:
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
+            meta = self.trace_dir / "controller.json"
+            if not meta.exists():
+                tmp = meta.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"settings": asdict(self.s), "seed": seed, "vw_args": self.bandit.args,
+                                           "reward_model_args": self.bandit.rm_args}, indent=1))
+                os.replace(tmp, meta)
+
+    @property
+    def trace_path(self) -> Path | None:
+        return None if self.trace_dir is None else self.trace_dir / "decisions.dsjson"
+
+    # ------------------------------------------------------------------ decide
+    def decide(self, groups: Sequence[Group], budget: float, tag: str = "") -> list[Decision]:
+        """One decision per group (in the order of ``groups``), spending at most ``budget`` in total.
+
+        Groups are served in order of their best predicted reward (ties: by id); each chooses among the
+        actions that still fit the budget, and the PMF it was drawn from is logged, so every propensity is the
+        true probability of what was done.
+        """
+        prepared = []
+        for pos, g in enumerate(groups):
+            acts = [Action(NONE, {"none": 1.0}, 0.0), *g.actions]
+            names = [a.name for a in acts]
+            if len(set(names)) != len(names):
+                raise ValueError(f"group {g.id}: action names must be unique, got {names}")
+            if g.heuristic is not None and g.heuristic not in names:
+                raise ValueError(f"group {g.id}: heuristic action {g.heuristic!r} is not among its actions")
+            ctx = Bandit.context_json(_features(g.context), [_features({**a.features, "cost": a.cost}) for a in acts])
+            q = self.bandit.scores(ctx)
+            prepared.append((g, acts, q, pos))
+        prepared.sort(key=lambda x: (-max(x[2]), x[0].id))
+        left = float(budget)
+        out: list = [None] * len(prepared)
+        for g, acts, _, pos in prepared:
+            fit = [a for a in acts if a.cost <= left + 1e-9]
+            ctx = Bandit.context_json(_features(g.context), [_features({**a.features, "cost": a.cost}) for a in fit])
+            pi = self.bandit.predict(ctx)
+            q = self.bandit.scores(ctx)
+            k = len(fit)
+            h_name = g.heuristic if g.heuristic in [a.name for a in fit] else NONE
+            h = [1.0 if a.name == h_name else 0.0 for a in fit]
+            he = self.s.heuristic_epsilon
+            h_mix = [(1 - he) * x + he / k for x in h]
+            logging = h_mix if self.mode == "shadow" else pi
+            eid = f"{tag}{g.id}#{self.decided}"
+            i = _sample(logging, _uniform01(self.seed, eid))
+            self.decided += 1
+            left -= fit[i].cost
+            self._pending[eid] = {"context": ctx, "names": [a.name for a in fit], "costs": [a.cost for a in fit],
+                                  "chosen": i, "logging": logging, "pi": pi, "h": h, "q": q, "mode": self.mode}
+            out[pos] = Decision(eid, g.id, fit[i], i, logging[i], self.mode)
+        return out
+
+    # ------------------------------------------------------------------ learn
+    def feedback(self, decision_id: str, reward: float, outcome: dict | None = None) -> None:
+        """Report the reward (in [0, 1]) of a decision; the bandit learns it and the gate is updated."""
+        ev = self._pending.pop(decision_id, None)
+        if ev is None:
+            raise KeyError(f"unknown or already reported decision {decision_id!r}")
+        if not (isinstance(reward, (int, float)) and math.isfinite(reward)):
+            raise ValueError(f"decision {decision_id}: reward {reward!r} is not a finite number")
+        r = min(1.0, max(0.0, float(reward)))
+        i = ev["chosen"]
+        extra = {"_mode": ev["mode"], "_actions": ev["names"], "_costs": ev["costs"], "_pi": ev["pi"],
+                 "_h": ev["h"], "_q": ev["q"], "_learn_seq": self.learned}
+        if outcome:
+            extra["_outcome"] = outcome
+        line = dsjson_line(decision_id, ev["context"], i, ev["logging"], -r, extra)
+        self.bandit.learn(line)
+        self.learned += 1
+        if self.trace_path is not None:
+            with open(self.trace_path, "a") as f:
+                f.write(line + "\n")
+        self.window.append((r, ev["logging"][i], i, ev["pi"], ev["h"], ev["q"]))
+        if self.learned >= self.s.min_events and self.learned % self.s.check_every == 0:
+            self._gate()
+
+    def abandon(self, decision_id: str) -> None:
+        """Forget a decision that was never carried out (nothing is learned from it)."""
+        self._pending.pop(decision_id, None)
+
+    # ------------------------------------------------------------------ shadow -> live
+    def evaluate(self) -> dict:
+        """Off-policy estimates over the recent window: V(bandit), V(heuristic) and their DR difference."""
+        if not self.window:
+            return {}
+        r, p, a, pi, h, q = map(list, zip(*self.window))
+        diff = estimators.difference(r, p, a, pi, h, q, self.s.alpha)
+        return {
+            "n": len(r),
+            "logged": sum(r) / len(r),
+            "bandit_dr": estimators.dr(r, p, a, pi, q, self.s.alpha).value,
+            "heuristic_dr": estimators.dr(r, p, a, h, q, self.s.alpha).value,
+            "bandit_snips": estimators.snips(r, p, [x[k] for x, k in zip(pi, a)], self.s.alpha).value,
+            "heuristic_snips": estimators.snips(r, p, [x[k] for x, k in zip(h, a)], self.s.alpha).value,
+            "diff": diff.value, "diff_lower": diff.lower, "diff_upper": diff.upper,
+        }
+
+    def _gate(self) -> None:
+        ev = self.evaluate()
+        self.last_gate = ev
+        if self.mode == "shadow":
+            ok = ev["diff_lower"] > self.s.margin  # the bandit is better than the heuristic
+        else:
+            ok = -ev["diff_upper"] > self.s.margin  # the heuristic is better than the bandit
+        self.passes = self.passes + 1 if ok else 0
+        if self.passes >= self.s.consecutive:
+            new = "live" if self.mode == "shadow" else "shadow"
+            self.transitions.append({"event": self.learned, "from": self.mode, "to": new,
+                                     **{k: ev[k] for k in ("diff", "diff_lower", "diff_upper", "n")}})
+            self.mode, self.passes = new, 0
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        if self._pending:
+            raise RuntimeError(f"{len(self._pending)} decisions await feedback; save after reporting them")
+        return {"bandit": self.bandit.state_dict(), "mode": self.mode, "learned": self.learned,
+                "decided": self.decided, "passes": self.passes, "transitions": self.transitions,
+                "window": [list(w) for w in self.window], "last_gate": self.last_gate, "seed": self.seed,
+                "settings": asdict(self.s)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.bandit = Bandit(self.s.epsilon, self.s.lr, self.s.clip_p, self.s.bits, state=state["bandit"])
+        self.mode, self.learned, self.decided = state["mode"], int(state["learned"]), int(state["decided"])
+        self.passes, self.transitions = int(state["passes"]), list(state["transitions"])
+        self.window = deque((tuple(w) for w in state["window"]), maxlen=self.s.window)
+        self.last_gate = state.get("last_gate", {})
+        self._pending = {}
+        if self.trace_path is not None and self.trace_path.exists():
+            self._truncate_trace(self.learned)
+
+    def _truncate_trace(self, n: int) -> None:
+        """Keep the first ``n`` complete lines: a run killed after its last checkpoint re-decides those steps."""
+        lines = self.trace_path.read_text().splitlines(keepends=True)
+        keep = [ln for ln in lines[:n] if ln.endswith("\n")]
+        if len(keep) == len(lines):
+            return
+        tmp = self.trace_path.with_suffix(".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, self.trace_path)
+
+    def save(self, path: str | os.PathLike) -> None:
+        p = Path(path)
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.state_dict()))
+        os.replace(tmp, p)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, trace_dir: str | os.PathLike | None = None) -> "LearnedController":
+        try:
+            state = json.loads(Path(path).read_text())
+            settings = Settings(**state["settings"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a controller state file ({e})") from None
+        c = cls(settings, seed=int(state["seed"]), trace_dir=trace_dir)
+        c.load_state_dict(state)
+        return c

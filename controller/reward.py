@@ -1,0 +1,51 @@
+"""The controller's reward: the learning signal an intervention added to its group, per unit of cost.
+
+Defined here once:
+
+* ``signal(rewards) = 4 p (1 - p)`` with ``p`` the group's mean reward over the rollouts the learner trains
+  on (binary rewards; for graded ones ``4 * variance``, capped at 1). It is 0 for a group whose rollouts all
+  agree (GRPO learns nothing from it) and 1 when half succeed.
+* ``improvement = max(0, signal(after) - signal(before))``: ``before`` is the base rollouts, ``after`` the base
+  rollouts plus the intervention's rollouts that the learner accepted (``mix``), or the accepted rollouts
+  alone (``replace``). Rollouts the shift filter rejected add nothing.
+* ``reward = min(1, improvement * unit / cost)``: ``unit`` is the cost of the cheapest intervention, so an
+  intervention that gives a dead group full signal at the lowest price scores 1, one that needs twice the
+  budget for the same gain scores half.
+* Doing nothing costs nothing and earns ``opportunity``: the signal per ``unit`` of budget that fresh base
+  groups earned this step — what the saved budget buys instead. An intervention pays only when it beats it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def signal(rewards: Sequence[float]) -> float:
+    """Learning signal of a group: 4 x the variance of its rewards, in [0, 1]."""
+    n = len(rewards)
+    if n < 2:
+        return 0.0
+    m = sum(rewards) / n
+    var = sum((r - m) ** 2 for r in rewards) / n
+    return min(1.0, 4.0 * var)
+
+
+def improvement(before: Sequence[float], accepted: Sequence[float], compose: str = "mix") -> float:
+    after = list(accepted) if compose == "replace" else [*before, *accepted]
+    return max(0.0, signal(after) - signal(before))
+
+
+def reward(before: Sequence[float], accepted: Sequence[float], cost: float, unit: float,
+           compose: str = "mix") -> float:
+    """Improvement per unit of cost, bounded in [0, 1]."""
+    if cost <= 0:
+        raise ValueError(f"an intervention's cost must be > 0, got {cost}")
+    return min(1.0, improvement(before, accepted, compose) * unit / cost)
+
+
+def opportunity(group_rewards: Sequence[Sequence[float]], group_cost: float, unit: float) -> float:
+    """What doing nothing earns: the mean signal of fresh base groups, per ``unit`` of budget, in [0, 1]."""
+    if not group_rewards or group_cost <= 0:
+        return 0.0
+    mean = sum(signal(g) for g in group_rewards) / len(group_rewards)
+    return min(1.0, mean * unit / group_cost)

@@ -1,0 +1,116 @@
+"""Decision traces: read, replay and evaluate ``decisions.dsjson``.
+
+Each line is one joined event (decision + outcome) in the order it was learned. Besides VW's own keys it
+carries ``_mode`` (shadow/live), ``_actions`` (action names by index), ``_costs``, ``_pi`` (the bandit's
+PMF at decision time), ``_h`` (the heuristic's deterministic choice), ``_q`` (the reward model's
+predictions) and ``_learn_seq``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from controller import estimators
+from controller.vw import LABEL_KEYS, Bandit
+
+
+class TraceError(ValueError):
+    pass
+
+
+def read(path: str | Path) -> list[dict]:
+    """Every event of a trace, checked: label keys before ``c``, propensities in (0, 1], learn order."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"{p}: no such trace file")
+    out = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{p}:{n}: not JSON ({e}); the trace is corrupt from this line on") from None
+        keys = list(ev)
+        if "c" not in ev or any(k not in ev or keys.index(k) > keys.index("c") for k in LABEL_KEYS):
+            raise TraceError(f"{p}:{n}: label keys must all come before \"c\" (VW's DSJson parser drops them otherwise)")
+        if not 0.0 < ev["_label_probability"] <= 1.0:
+            raise TraceError(f"{p}:{n}: propensity {ev['_label_probability']} outside (0, 1]")
+        if ev.get("_learn_seq", len(out)) != len(out):
+            raise TraceError(f"{p}:{n}: learn order broken (expected {len(out)}, got {ev.get('_learn_seq')})")
+        ev["_line"] = line
+        out.append(ev)
+    return out
+
+
+def _meta(path: Path) -> dict:
+    meta = path.parent / "controller.json"
+    return json.loads(meta.read_text()) if meta.exists() else {}
+
+
+def replay(path: str | Path, settings: dict | None = None) -> Bandit:
+    """A fresh bandit that learned every event in learn order (reproduces the online model)."""
+    p = Path(path)
+    s = settings or _meta(p).get("settings", {})
+    b = Bandit(s.get("epsilon", 0.1), s.get("lr", 0.5), s.get("clip_p", 0.01), s.get("bits", 18))
+    for ev in read(p):
+        b.learn(ev["_line"])
+    return b
+
+
+def _fixed(name: str, actions: list[str]) -> list[float]:
+    """A fixed controller's PMF over one event's actions."""
+    k = len(actions)
+    if name == "uniform":
+        return [1.0 / k] * k
+    if name == "none":
+        pick = 0
+    else:  # "how@where": the first such intervention when legal, else none
+        pick = next((i for i, a in enumerate(actions) if a.split("x")[0] == name or a.startswith(name + "x")), 0)
+    return [1.0 if i == pick else 0.0 for i in range(k)]
+
+
+def evaluate(path: str | Path, policies: list[str] | None = None, alpha: float = 0.05) -> dict:
+    """Off-policy estimates (IPS, SNIPS, DR with (1 - alpha) intervals) over a trace for: the logged policy
+    (on-policy mean), the learned bandit (replayed from scratch, predicting before it learns each event), the
+    shadowed heuristic, doing nothing, uniform, and any ``how@where`` fixed rule in ``policies``."""
+    p = Path(path)
+    events = read(p)
+    if not events:
+        raise TraceError(f"{p}: the trace holds no events")
+    r = [-float(e["_label_cost"]) for e in events]
+    prop = [float(e["_label_probability"]) for e in events]
+    chosen = [int(e["_labelIndex"]) for e in events]
+    q = [e["_q"] for e in events]
+    s = _meta(p).get("settings", {})
+    b = Bandit(s.get("epsilon", 0.1), s.get("lr", 0.5), s.get("clip_p", 0.01), s.get("bits", 18))
+    learned = []
+    for e in events:
+        learned.append(b.predict(e["c"]))
+        b.learn(e["_line"])
+    pmfs = {"learned": learned, "heuristic": [e["_h"] for e in events]}
+    for name in ["none", "uniform", *(policies or [])]:
+        pmfs[name] = [_fixed(name, e["_actions"]) for e in events]
+    out = {"events": len(events), "modes": {m: sum(e["_mode"] == m for e in events) for m in ("shadow", "live")},
+           "logged": estimators._mean_ci(r, alpha).to_dict(), "policies": {}}
+    for name, pi in pmfs.items():
+        at = [x[a] for x, a in zip(pi, chosen)]
+        out["policies"][name] = {
+            "ips": estimators.ips(r, prop, at, alpha).to_dict(),
+            "snips": estimators.snips(r, prop, at, alpha).to_dict(),
+            "dr": estimators.dr(r, prop, chosen, pi, q, alpha).to_dict(),
+            "match_rate": sum(x[a] for x, a in zip(pi, chosen)) / len(chosen),
+        }
+    return out
+
+
+def format_evaluation(res: dict) -> str:
+    lines = [f"{res['events']} events ({res['modes']['shadow']} shadow, {res['modes']['live']} live); "
+             f"logged policy's mean reward {res['logged']['value']:.4f} "
+             f"[{res['logged']['lower']:.4f}, {res['logged']['upper']:.4f}]", "",
+             f"{'policy':24s} {'IPS':>8s} {'SNIPS':>8s} {'DR':>8s}   DR interval"]
+    for name, d in res["policies"].items():
+        lines.append(f"{name:24s} {d['ips']['value']:8.4f} {d['snips']['value']:8.4f} {d['dr']['value']:8.4f}   "
+                     f"[{d['dr']['lower']:.4f}, {d['dr']['upper']:.4f}]")
+    return "\n".join(lines)
