@@ -6,11 +6,10 @@
                                   heuristic="hint")], budget=16)
     ctl.feedback(decisions[0].id, reward=0.5)
 
-It imports nothing from ``rail`` or ``policy``.
+The reward is ``controller.reward``; traces are ``controller.traces``. It imports nothing from ``rail`` or
+``policy`` and no torch.
 """
 
 from controller.core import NONE, Action, Decision, Group, LearnedController, Settings
-from controller.reward import improvement, opportunity, reward, signal
 
-__all__ = ["NONE", "Action", "Decision", "Group", "LearnedController", "Settings", "improvement",
-           "opportunity", "reward", "signal"]
+__all__ = ["NONE", "Action", "Decision", "Group", "LearnedController", "Settings"]

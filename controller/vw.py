@@ -86,8 +86,13 @@ class Bandit:
                 "reward_model": base64.b64encode(self.reward_model.serialize()).decode()}
 
     def weights_equal(self, other: "Bandit") -> bool:
-        return (self.policy.serialize() == other.policy.serialize()
-                and self.reward_model.serialize() == other.reward_model.serialize())
+        """Same learned state in both workspaces: per feature the weight, its AdaGrad accumulator and its
+        normaliser (slots 0-2 of VW's stride; slot 3 is scratch space a loaded model does not restore, and the
+        serialized bytes also count predictions)."""
+        import numpy as np
+
+        return (np.array_equal(self.policy.weights()[..., :3], other.policy.weights()[..., :3])
+                and np.array_equal(self.reward_model.weights()[..., :3], other.reward_model.weights()[..., :3]))
 
 
 def dsjson_line(event_id: str, context: dict, chosen: int, pmf: list[float], cost: float, extra: dict) -> str:

@@ -37,6 +37,17 @@ def _eval_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
 
 
+def _traces_parser(sub) -> None:
+    p = sub.add_parser("traces", help="work with the learned controller's decision traces")
+    tsub = p.add_subparsers(dest="traces_command", required=True)
+    e = tsub.add_parser("evaluate", help="off-policy estimates (IPS, SNIPS, DR) over a trace")
+    e.add_argument("path", help="a decisions.dsjson file, or a run directory holding traces/decisions.dsjson")
+    e.add_argument("--policy", action="append", default=[], metavar="HOW@WHERE",
+                   help="also evaluate the fixed rule 'this intervention when legal' (repeatable)")
+    e.add_argument("--alpha", type=float, default=0.05, help="1 - confidence level of the intervals")
+    e.add_argument("--json", action="store_true", help="print the result as JSON only")
+
+
 def config_from_args(a: argparse.Namespace):
     sets: list[dict] = []
     flag = {"steps": "run.steps", "group_size": "budget.group_size", "controller": "controller.name",
@@ -82,11 +93,26 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_traces(a: argparse.Namespace) -> int:
+    from controller.traces import TraceError, evaluate, format_evaluation
+    path = Path(a.path)
+    if path.is_dir():
+        path = path / "traces" / "decisions.dsjson" if (path / "traces").is_dir() else path / "decisions.dsjson"
+    try:
+        res = evaluate(path, policies=a.policy, alpha=a.alpha)
+    except TraceError as e:
+        print(f"rail: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(res, indent=1) if a.json else format_evaluation(res))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rail", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
     _train_parser(sub)
     _eval_parser(sub)
+    _traces_parser(sub)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         argv = ["train"]  # `rail` alone runs the default demonstration
@@ -94,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.command is None:
         a = parser.parse_args(["train", *argv])
     try:
-        return {"train": cmd_train, "eval": cmd_eval}[a.command](a)
+        return {"train": cmd_train, "eval": cmd_eval, "traces": cmd_traces}[a.command](a)
     except ConfigError as e:
         print(f"rail: config error: {e}", file=sys.stderr)
         return 2

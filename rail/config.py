@@ -108,7 +108,7 @@ class LearnerConfig:
 
 @dataclass
 class ControllerConfig:
-    name: str = F("none", "Intervention controller: none, dapo, rti, actguide, ladder, random (docs/algorithms.md).")
+    name: str = F("rail", "Intervention controller: rail (learned, docs/controller.md), none, dapo, rti, actguide, ladder, random (docs/algorithms.md).")
     base_share: float = F(0.5, "Share of a step's budget intervening controllers spend on base groups first ('none' spends all).")
     compose: str = F("auto", "How intervened rollouts join their group: 'mix', 'replace', or 'auto' (the controller's own: actguide replaces, the others mix).")
     menu: list[str] = F(["resample@start", "resample@violation", "resample@before", "rubric_hint@violation",
@@ -123,6 +123,16 @@ class ControllerConfig:
     probe_rollouts: int = F(2, "actguide: rollouts per probe of the plan-length search.")
     max_probes: int = F(5, "actguide: most probes per group.")
     max_rounds: int = F(8, "Most decide -> run rounds per step.")
+    shadow: str = F("ladder", "rail: the heuristic it shadows ('ladder': its first legal rung; 'rti': the rubric hint).")
+    start_mode: str = F("shadow", "rail: 'shadow' (the heuristic acts until the bandit is promoted) or 'live'.")
+    epsilon: float = F(0.1, "rail: the bandit's epsilon-greedy exploration when live.")
+    heuristic_epsilon: float = F(0.3, "rail: in shadow, the heuristic's choice is mixed with this much uniform exploration (logged propensities).")
+    bandit_lr: float = F(0.5, "rail: VW learning rate (with --power_t 0: constant).")
+    window: int = F(200, "rail: recent decisions the go-live gate evaluates.")
+    min_events: int = F(60, "rail: decisions before the first gate check.")
+    check_every: int = F(20, "rail: decisions between gate checks.")
+    margin: float = F(0.0, "rail: go live when the lower bound of V(bandit) - V(heuristic) exceeds this (and demote symmetrically).")
+    consecutive: int = F(2, "rail: consecutive passing checks needed to change mode.")
 
 
 @dataclass
@@ -189,6 +199,8 @@ CHOICES = {
     "learner.loss_agg": ("token_mean", "seq_mean", "dr_grpo"),
     "learner.adv_scale": ("std", "none"),
     "controller.compose": ("auto", "mix", "replace"),
+    "controller.shadow": ("ladder", "rti"),
+    "controller.start_mode": ("shadow", "live"),
 }
 
 
@@ -350,6 +362,13 @@ def validate(cfg: Config) -> None:
                 "controller.max_probes", "controller.max_rounds"):
         if getattr(c, key.split(".")[1]) < 1:
             raise ConfigError(f"{key} must be >= 1")
+    for key in ("controller.epsilon", "controller.heuristic_epsilon"):
+        v = getattr(c, key.split(".")[1])
+        if not 0.0 < v <= 1.0:
+            raise ConfigError(f"{key} = {v}: must be in (0, 1]; without exploration nothing can be learned off-policy")
+    if c.bandit_lr <= 0 or c.window < 2 or c.min_events < 0 or c.check_every < 1 or c.consecutive < 1:
+        raise ConfigError("controller.bandit_lr > 0, controller.window >= 2, controller.min_events >= 0, "
+                          "controller.check_every >= 1 and controller.consecutive >= 1 are required")
     if not L.shift_threshold > 0:
         raise ConfigError(f"learner.shift_threshold = {L.shift_threshold}: must be > 0 (inf: no filter)")
     if L.shaping_gamma < 0:

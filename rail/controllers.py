@@ -16,6 +16,8 @@ Fixed controllers (the baselines a learned controller must beat):
   probe rollouts (charged, not trained), then a full group of guided rollouts that replaces the group.
 - ``ladder`` — minimal intervention: the cheapest operator first, escalating while the group has no success.
 - ``random`` — uniform over the legal interventions of every group (and doing nothing).
+
+The learned controller, ``rail``, wraps ``controller.LearnedController`` (docs/controller.md).
 """
 
 from __future__ import annotations
@@ -150,6 +152,15 @@ class NoController:
 
     def observe(self, outcomes) -> None:
         pass
+
+    def feedback(self, groups, outcomes, compose: str) -> None:
+        """Called after the learner's filters ran (rollout statuses are set); learned controllers learn here."""
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def summary(self) -> dict:
+        return {}
 
     def state_dict(self) -> dict:
         return {}
@@ -317,3 +328,169 @@ CONTROLLERS: dict[str, type] = {
     "ladder": LadderController,
     "random": RandomController,
 }
+
+
+class RailController(_Reserving):
+    """The learned controller (``controller/``): one decision per base group and step, shadowing the
+    ``controller.shadow`` heuristic until off-policy evaluation promotes it (docs/controller.md)."""
+
+    name = "rail"
+
+    def __init__(self, config: Any = None, out: Any = None, **_: Any):
+        super().__init__(config)
+        from pathlib import Path
+
+        from controller import LearnedController, Settings
+
+        c = config.controller
+        self.settings = Settings(epsilon=c.epsilon, heuristic_epsilon=c.heuristic_epsilon, lr=c.bandit_lr,
+                                 mode=c.start_mode, window=c.window, min_events=c.min_events,
+                                 check_every=c.check_every, margin=c.margin, consecutive=c.consecutive)
+        trace_dir = None if out is None else Path(out) / "traces"
+        self.ctl = LearnedController(self.settings, seed=config.run.seed, trace_dir=trace_dir)
+        self.pass_rate: dict[str, float] = {}  # EMA of base success per family/level
+        self.seconds = 0.0
+        self.step = 0
+        self._made: list = []  # (controller decision, rail Decision or None, view, cost)
+
+    def begin_step(self, step, rng) -> None:
+        super().begin_step(step, rng)
+        self.step, self._made = step, []
+
+    def _context(self, g: GroupView, remaining: int) -> dict:
+        base = g.base
+        rewards = [t.reward for t in base]
+        n = len(rewards)
+        mean = sum(rewards) / n if n else 0.0
+        prog = [t.rubric.progress for t in base if t.rubric is not None]
+        from rail.interventions import source_index
+
+        src = source_index(base)
+        calls = [t.tool_calls() for t in base]
+        made = sum(c for c, _ in calls)
+        lps = [lp for t in base for lp, o in zip(t.logprobs, t.origin) if o == 0]
+        key = f"{g.family}/{g.task.level}"
+        return {
+            "family": g.family, "level": str(g.task.level), "family_level": key,
+            "successes": float(sum(r >= 1.0 for r in rewards)), "success_rate": mean,
+            "reward_spread": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5 if n else 0.0,
+            "progress_mean": sum(prog) / len(prog) if prog else 0.0, "progress_max": max(prog) if prog else 0.0,
+            "violated_item": "none" if src is None else str(base[src].rubric.first_violated),
+            "violated_turn": 0.0 if src is None else float(base[src].rubric.violated_turn or 0),
+            "tool_failure_rate": (sum(f for _, f in calls) / made) if made else 0.0,
+            "logprob_mean": sum(lps) / len(lps) if lps else 0.0,
+            "pass_rate": self.pass_rate.get(key, mean),
+            "train_progress": self.step / max(1, self.cfg.run.steps),
+            "budget_left": remaining / max(1, self.cfg.step_budget()),
+        }
+
+    def _heuristic(self, g: GroupView, menu: Menu) -> Intervention | None:
+        """The shadowed heuristic's one-shot choice: ``ladder``'s first legal rung for a group without a
+        success, ``rti``'s hint, or nothing."""
+        c = self.cfg.controller
+        if g.successes > 0:
+            return None
+        if c.shadow == "rti":
+            cands = [Intervention("rubric_hint", "violation", c.rti_how_many)]
+        else:
+            cands = [Intervention.parse(r, c.ladder_how_many) for r in c.ladder]
+        return next((iv for iv in cands if menu.cost(g, iv) is not None), None)
+
+    def _decide(self, groups, remaining, unit, menu):
+        import time
+
+        from controller import Action, Group
+
+        if self.round:
+            return []
+        t0 = time.perf_counter()
+        requests, views, by_name = [], [], []
+        for g in groups:
+            if g.n_base == 0 or g.interventions:
+                continue
+            legal = menu.legal(g)
+            options = {iv.name: iv for iv in legal}
+            acts = [Action(iv.name, {**iv.features(), "cost_share": menu.cost(g, iv) / max(1, self.cfg.step_budget())},
+                           float(menu.cost(g, iv))) for iv in legal]
+            h = self._heuristic(g, menu)
+            requests.append(Group(f"g{g.group}", self._context(g, remaining), acts,
+                                  heuristic=h.name if h is not None and h.name in options else None))
+            views.append(g)
+            by_name.append(options)
+        made = self.ctl.decide(requests, remaining, tag=f"s{self.step}-")
+        out = []
+        for d, g, options in zip(made, views, by_name):
+            rd = None if not d.intervenes else Decision(g.group, options[d.action.name], propensity=d.propensity,
+                                                        info={"event": d.id, "mode": d.mode})
+            self._made.append((d, rd, g))
+            if rd is not None:
+                out.append(rd)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def feedback(self, groups, outcomes, compose: str) -> None:
+        """Rewards for this step's decisions, once the learner has said which rollouts it accepted."""
+        import time
+
+        import controller.reward as R
+
+        t0 = time.perf_counter()
+        g_size = self.cfg.budget.group_size
+        unit_rollouts = float(min(self.cfg.controller.how_many))
+        per_rollout = 1.0 if self.cfg.budget.unit == "rollouts" else max(1.0, self._tokens_per_rollout(groups))
+        unit = unit_rollouts * per_rollout
+        base_groups = [[t.reward for t in g.base] for g in groups if g.n_base]
+        opp = R.opportunity(base_groups, g_size * per_rollout, unit)
+        ran = {id(o.decision): o for o in outcomes if o.ran}
+        for d, rd, g in self._made:
+            if rd is None:
+                self.ctl.feedback(d.id, opp, {"opportunity": opp})
+                continue
+            o = ran.get(id(rd))
+            if o is None:
+                self.ctl.abandon(d.id)
+                continue
+            accepted = [t.reward for t in o.trajectories if t.status not in ("shift_rejected", "probe")]
+            r = R.reward([t.reward for t in g.base], accepted, max(o.cost, 1), unit, compose)
+            self.ctl.feedback(d.id, r, {"cost": o.cost, "rollouts": len(o.trajectories), "accepted": len(accepted),
+                                        "successes": sum(x >= 1.0 for x in accepted)})
+        for g in groups:  # drift made visible: the recent pass rate per family/level
+            if g.n_base:
+                key = f"{g.family}/{g.task.level}"
+                rate = sum(t.reward >= 1.0 for t in g.base) / g.n_base
+                self.pass_rate[key] = 0.9 * self.pass_rate.get(key, rate) + 0.1 * rate
+        self._made = []
+        self.seconds += time.perf_counter() - t0
+
+    @staticmethod
+    def _tokens_per_rollout(groups) -> float:
+        gen = [t.n_generated for g in groups for t in g.base]
+        return sum(gen) / len(gen) if gen else 1.0
+
+    def metrics(self) -> dict[str, float]:
+        ev = self.ctl.last_gate or {}
+        m = {"controller/live": 1.0 if self.ctl.mode == "live" else 0.0,
+             "controller/events": float(self.ctl.learned),
+             "controller/transitions": float(len(self.ctl.transitions)),
+             "controller/seconds": self.seconds}
+        for k in ("diff", "diff_lower", "diff_upper", "bandit_dr", "heuristic_dr", "logged"):
+            if k in ev:
+                m[f"controller/{k}"] = float(ev[k])
+        return m
+
+    def summary(self) -> dict:
+        return {"mode": self.ctl.mode, "events": self.ctl.learned, "transitions": self.ctl.transitions,
+                "last_gate": self.ctl.last_gate, "seconds": round(self.seconds, 3),
+                "trace": str(self.ctl.trace_path) if self.ctl.trace_path else None}
+
+    def state_dict(self) -> dict:
+        return {"learned": self.ctl.state_dict(), "pass_rate": self.pass_rate, "seconds": self.seconds}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self.ctl.load_state_dict(state["learned"])
+            self.pass_rate = dict(state.get("pass_rate", {}))
+            self.seconds = float(state.get("seconds", 0.0))
+
+
+CONTROLLERS["rail"] = RailController

@@ -44,6 +44,7 @@ def format_summary(s: dict, out: Path) -> str:
         f"easy levels {e['easy_levels']}: {e['easy_initial']:.3f} -> {e['easy_final']:.3f}   "
         f"beyond {e['beyond_levels']}: {e['beyond_initial']:.3f} -> {e['beyond_final']:.3f}",
         *_interventions(s.get("interventions")),
+        *_controller(s.get("controller_state")),
         "boundary (levels unsolved at the start): "
         + ", ".join(f"{f}: {v['unsolved_at_start']}" for f, v in s["boundary"].items()),
         "time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in s["time"].items()),
@@ -62,3 +63,12 @@ def _interventions(iv: dict | None) -> list[str]:
             f"{iv['success_rate']:.2f}, accepted by the shift filter {iv['acceptance_rate']:.2f}, "
             f"rescued {iv['rescued_groups']} zero-variance groups (rescue rate {iv['rescue_rate']:.2f})",
             _table(rows, ["operator", "decisions", "rollouts", "success", "accepted", "rescued"]), ""]
+
+
+def _controller(c: dict | None) -> list[str]:
+    if not c or "mode" not in c:
+        return []
+    moves = ", ".join(f"{t['from']}->{t['to']} at decision {t['event']} (DR diff {t['diff']:+.3f}, "
+                      f"bound [{t['diff_lower']:+.3f}, {t['diff_upper']:+.3f}])" for t in c["transitions"]) or "none"
+    return [f"learned controller: {c['events']} decisions, final mode {c['mode']}; transitions: {moves}",
+            f"  trace: {c['trace']}  (rail traces evaluate {c['trace']})"]

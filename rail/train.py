@@ -105,7 +105,7 @@ class Trainer:
                             shift_threshold=L.shift_threshold, shaping_gamma=L.shaping_gamma,
                             temperature=cfg.rollout.temperature, max_tokens=cfg.max_rollout_tokens),
             total_updates=cfg.run.steps * L.epochs * mb_per_step, pad_id=self.renderer.pad)
-        self.controller = CONTROLLERS[cfg.controller.name](config=cfg)
+        self.controller = CONTROLLERS[cfg.controller.name](config=cfg, out=out)
         self.ledger = BudgetLedger(cfg.budget.unit, cfg.step_budget(), cfg.budget.total)
         if ckpt is not None:
             self._restore(ckpt, saved)
@@ -347,6 +347,9 @@ class Trainer:
         t = time.perf_counter()
         compose = cfg.controller.compose if cfg.controller.compose != "auto" else self.controller.compose
         batch = self.learner.prepare(all_trajs, compose=compose)
+        t_fb = time.perf_counter()
+        self.controller.feedback(groups, outcomes, compose)
+        t_ctl += time.perf_counter() - t_fb
         upd = self.learner.update(batch, torch.Generator().manual_seed(_seed(cfg.run.seed, step, 3)))
         t_upd = time.perf_counter() - t
 
@@ -379,6 +382,7 @@ class Trainer:
             "time/generate_s": t_gen, "time/score_s": t_score, "time/controller_s": t_ctl, "time/update_s": t_upd,
         }
         m.update(self._intervention_metrics(groups, outcomes, budget))
+        m.update(self.controller.metrics())
         m.update({f"loss/{k}": v for k, v in upd.items()})
         m.update(self.ledger.close_step(budget))
         for k, v in (("generate", t_gen), ("score", t_score), ("controller", t_ctl), ("update", t_upd)):
@@ -532,6 +536,7 @@ class Trainer:
                      "beyond_initial": mean_over(initial, beyond), "beyond_final": mean_over(final, beyond)},
             "boundary": boundary,
             "interventions": self._intervention_summary(),
+            "controller_state": self.controller.summary(),
             "time": {k: round(v, 3) for k, v in self.timings.items()},
         }
 

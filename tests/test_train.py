@@ -99,7 +99,7 @@ def test_smoke_run_trains_and_writes_everything(tmp_path, cache_dir):
     db = tmp_path / "mlflow.db"
     # The smoke policy is too small to solve tasks (its tool calls mostly fail, and every group would have
     # zero variance); a verifier that pays every other rollout gives every group a spread to learn from.
-    cfg = smoke(tmp_path, cache_dir, "learner.mask_all_tools_failed=false", uri=f"sqlite:///{db}")
+    cfg = smoke(tmp_path, cache_dir, "learner.mask_all_tools_failed=false", "controller.name=none", uri=f"sqlite:///{db}")
     trainer, out = start_run(cfg, show_progress=False)
     calls = [0]
 
@@ -194,7 +194,7 @@ def test_sigkill_then_resume_finishes_the_same_run(tmp_path, cache_dir):
     r = cli("train", "--resume", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr
     s = json.loads((out / "summary.json").read_text())
-    assert s["steps"] == 6 and s["budget"]["spent"]["base"] == 6 * 16
+    assert s["steps"] == 6 and s["budget"]["spent"]["total"] == 6 * 16
     steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()
              if "rollout/reward_mean" in ln]
     assert steps == [1, 2, 3, 4, 5, 6]  # lines written after the checkpoint by the killed run were dropped
@@ -206,6 +206,34 @@ def test_sigkill_then_resume_finishes_the_same_run(tmp_path, cache_dir):
                      if "rollout/reward_mean" in ln]
     assert rew(out)[:3] == rew(ref)[:3]
     assert json.loads((ref / "summary.json").read_text())["budget"]["spent"] == s["budget"]["spent"]
+    # the learned controller resumed too: its trace holds one line per decision, as the uninterrupted run's
+    trace = lambda d: (d / "traces" / "decisions.dsjson").read_text().splitlines()
+    assert len(trace(out)) == len(trace(ref)) > 0
+    assert [json.loads(x)["_learn_seq"] for x in trace(out)] == list(range(len(trace(out))))
+
+
+def test_smoke_trace_parses_with_vw_and_replays_to_the_checkpointed_controller(tmp_path, cache_dir):
+    import vowpal_wabbit_next as vw
+
+    from controller.traces import replay
+    from controller.vw import Bandit
+
+    cfg = smoke(tmp_path, cache_dir, "run.steps=4")
+    trainer, out = start_run(cfg, show_progress=False)
+    trainer.run()
+    lines = (out / "traces" / "decisions.dsjson").read_text().splitlines()
+    assert lines
+    ws = vw.Workspace(["--cb_explore_adf", "--quiet", "-q", "sa"])
+    parser = vw.DSJsonFormatParser(ws)
+    for line in lines:
+        ws.learn_one(parser.parse_json(line))
+    saved = json.loads((out / "checkpoints" / "step_000004" / "state.json").read_text())["controller"]["learned"]
+    assert replay(out / "traces" / "decisions.dsjson").weights_equal(Bandit(state=saved["bandit"]))
+    r = cli("traces", "evaluate", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["events"] == len(lines) and "learned" in res["policies"]
+    assert cli("traces", "evaluate", str(tmp_path / "nowhere")).returncode == 1
 
 
 def test_corrupt_checkpoint_gets_a_clear_error(tmp_path, cache_dir):
