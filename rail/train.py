@@ -349,9 +349,10 @@ class Trainer:
         batch = self.learner.prepare(all_trajs, compose=compose)
         t_fb = time.perf_counter()
         self.controller.feedback(groups, outcomes, compose)
-        t_ctl += time.perf_counter() - t_fb
+        t_fb = time.perf_counter() - t_fb
+        t_ctl += t_fb
         upd = self.learner.update(batch, torch.Generator().manual_seed(_seed(cfg.run.seed, step, 3)))
-        t_upd = time.perf_counter() - t
+        t_upd = time.perf_counter() - t - t_fb
 
         trajs = all_trajs
         base = [tr for tr in trajs if tr.intervention is None]

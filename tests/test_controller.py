@@ -184,3 +184,20 @@ def test_trace_evaluation_and_corrupt_traces(tmp_path):
     (tmp_path / "order.dsjson").write_text(json.dumps(bad) + "\n")
     with pytest.raises(T.TraceError, match="before"):
         T.read(tmp_path / "order.dsjson")
+
+
+def test_example_trainer_loop_runs_and_resumes(tmp_path):
+    """The documented example of another trainer using the controller runs, checkpoints mid-way and keeps its
+    trace in learn order across the restart."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "experiments" / "custom_trainer_example.py"
+    res = subprocess.run([sys.executable, str(script), "--steps", "30", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["events"] == 30 * 8
+    assert len(T.read(tmp_path / "traces" / "decisions.dsjson")) == 30 * 8
+    assert (tmp_path / "controller.json").exists()

@@ -234,6 +234,35 @@ def test_smoke_trace_parses_with_vw_and_replays_to_the_checkpointed_controller(t
     res = json.loads(r.stdout)
     assert res["events"] == len(lines) and "learned" in res["policies"]
     assert cli("traces", "evaluate", str(tmp_path / "nowhere")).returncode == 1
+    # every name this run logged (base, intervention, shift, controller, eval, summary) is defined in the docs
+    logged = {k for ln in (out / "metrics.jsonl").read_text().splitlines() for k in json.loads(ln) if k != "step"}
+    assert any(k.startswith("controller/") for k in logged) and "shift/measured" in logged
+    missing = sorted(k for k in logged if _generic(k) not in documented_metrics())
+    assert not missing, f"logged but not defined in docs/metrics.md: {missing}"
+
+
+def documented_metrics() -> set[str]:
+    """Metric names in docs/metrics.md tables; `a/b/x`, `…/y` expands to a/b/y."""
+    import re
+    names = set()
+    for line in (ROOT / "docs" / "metrics.md").read_text().splitlines():
+        if not line.startswith("| `"):
+            continue
+        prev = None
+        for tok in re.findall(r"`([^`]+)`", line.split("|")[1]):
+            if tok.startswith("…/") and prev:
+                tok = prev.rsplit("/", 1)[0] + tok[1:]
+            if "/" in tok:
+                names.add(tok)
+                prev = tok
+    return names
+
+
+def _generic(name: str) -> str:
+    """A logged name in the docs' placeholder form."""
+    import re
+    name = re.sub(r"^intervention/[a-z_]+@[a-z]+/", "intervention/<key>/", name)
+    return re.sub(r"^eval/[a-z]+/level_\d+$", "eval/<family>/level_<L>", name)
 
 
 def test_corrupt_checkpoint_gets_a_clear_error(tmp_path, cache_dir):
