@@ -49,8 +49,11 @@ def save_checkpoint(root: Path, step: int, model, tokenizer, optimizer_state: di
     name = f"step_{step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     try:
-        model.save_pretrained(tmp / "model", safe_serialization=True)
-        tokenizer.save_pretrained(tmp / "model")
+        from policy.model import quiet_io
+
+        with quiet_io():
+            model.save_pretrained(tmp / "model", safe_serialization=True)
+            tokenizer.save_pretrained(tmp / "model")
         torch.save(optimizer_state, tmp / "optimizer.pt")
         (tmp / "state.json").write_text(json.dumps(dict(state, step=step), indent=1, sort_keys=True))
         files = sorted(p for p in tmp.rglob("*") if p.is_file())

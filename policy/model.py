@@ -7,6 +7,7 @@ real checkpoint takes the same code path.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -52,14 +53,29 @@ def build_tiny_model(
     return model
 
 
+@contextlib.contextmanager
+def quiet_io():
+    """No transformers progress bars ("Loading weights", "Writing model shards") while a run's own bar shows."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def load_policy(path: str | os.PathLike) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a Hugging Face causal LM and its tokenizer from a local directory (safetensors only)."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"{p}: not a Hugging Face model directory (no config.json)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(p, use_safetensors=True)
-        tokenizer = _load_tokenizer(p)
+        with quiet_io():
+            model = AutoModelForCausalLM.from_pretrained(p, use_safetensors=True)
+            tokenizer = _load_tokenizer(p)
     except Exception as e:  # corrupt or partial files: say which directory and what to do
         raise ValueError(f"{p}: cannot load the model or tokenizer ({e}); is the directory complete?") from e
     return model, tokenizer
@@ -86,8 +102,9 @@ def save_policy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        with quiet_io():
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
         replace_dir(tmp, dest)
     finally:
         if tmp.exists():
