@@ -1,5 +1,6 @@
 """``rail``: the command line. Arguments and config are parsed before torch is imported, so ``--help`` and
-config errors are instant and a bad config never creates an output directory."""
+config errors are instant and a bad config never creates an output directory (``rail ablate`` checks every
+arm's config before it starts anything)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,32 @@ def _traces_parser(sub) -> None:
                    help="also evaluate the fixed rule 'this intervention when legal' (repeatable)")
     e.add_argument("--alpha", type=float, default=0.05, help="1 - confidence level of the intervals")
     e.add_argument("--json", action="store_true", help="print the result as JSON only")
+
+
+def _ablate_parser(sub) -> None:
+    p = sub.add_parser("ablate", help="run a controller ablation: every arm x seed under one budget, tracked in MLflow",
+                       description="Runs every (arm, seed) of an ablation file (docs/ablation.md) as `rail train` "
+                                   "worker processes; rerunning skips finished pairs and resumes killed ones.")
+    p.add_argument("--config", required=True, help="ablation TOML file, e.g. experiments/ablations/controllers.toml")
+    p.add_argument("--seeds", type=int, help="run seeds 0..N-1 (default: the file's ablation.seeds)")
+    p.add_argument("--workers", type=int, help="parallel training processes (default: one per core, at most the jobs); "
+                                               "each gets cores // workers torch threads")
+    p.add_argument("--preset", default="default", help="training preset of every arm: default, smoke (seconds per run)")
+    p.add_argument("--out", help="output directory (default runs/ablate-<name>); runs go in <out>/<arm>/seed<k>/")
+    p.add_argument("--tracking-uri", help="tracking.uri of every run ('' disables MLflow)")
+    p.add_argument("--arms", help="comma-separated subset of the file's arms")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config field for every arm (before the arms' own controller settings)")
+    p.add_argument("--dry-run", action="store_true", help="print the jobs and what would be done, run nothing")
+    p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+
+
+def _report_parser(sub) -> None:
+    p = sub.add_parser("report", help="report of an ablation: report.md, report.json and figures")
+    p.add_argument("target", metavar="EXPERIMENT_OR_DIR",
+                   help="an ablation output directory, or (with --tracking-uri) its MLflow parent run id or experiment")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI to look up a run id or experiment")
+    p.add_argument("--json", action="store_true", help="print report.json instead of the verdict")
 
 
 def config_from_args(a: argparse.Namespace):
@@ -107,12 +134,55 @@ def cmd_traces(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ablate(a: argparse.Namespace) -> int:
+    import os
+
+    from rail.ablate import AblationRunner, classify, load_ablation, plan_jobs
+
+    ab = load_ablation(a.config)
+    arms = [x.strip() for x in a.arms.split(",") if x.strip()] if a.arms else None
+    if a.seeds is not None and a.seeds < 1:
+        raise ConfigError(f"--seeds {a.seeds}: must be >= 1")
+    if a.workers is not None and a.workers < 1:
+        raise ConfigError(f"--workers {a.workers}: must be >= 1")
+    out = Path(a.out or os.path.join("runs", f"ablate-{ab.name}"))
+    jobs = plan_jobs(ab, a.preset, out, arms=arms, seeds=a.seeds, sets=[parse_set(s) for s in a.set],
+                     tracking_uri=a.tracking_uri)
+    workers = a.workers or max(1, min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                      else (os.cpu_count() or 1)))
+    if a.dry_run:
+        for j in jobs:
+            print(f"{classify(j):6s} {j.key:28s} {j.dir}")
+        print(f"{len(jobs)} jobs, {workers} workers")
+        return 0
+    try:
+        return AblationRunner(ab, jobs, out, a.preset, workers).run(report=not a.no_report)
+    except KeyboardInterrupt:
+        print(f"rail: interrupted; rerun the same `rail ablate` command to resume ({out})", file=sys.stderr)
+        return 130
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    from rail.ablation_report import resolve_target, write_report
+
+    root = resolve_target(a.target, a.tracking_uri)
+    rep = write_report(root)
+    if a.json:
+        print(json.dumps(rep, indent=1, sort_keys=True))
+    else:
+        print(rep["verdict"]["text"])
+        print(f"report: {root / 'report.md'}, {root / 'report.json'}, figures: {', '.join(rep['figures'])}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rail", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
     _train_parser(sub)
     _eval_parser(sub)
     _traces_parser(sub)
+    _ablate_parser(sub)
+    _report_parser(sub)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         argv = ["train"]  # `rail` alone runs the default demonstration
@@ -120,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.command is None:
         a = parser.parse_args(["train", *argv])
     try:
-        return {"train": cmd_train, "eval": cmd_eval, "traces": cmd_traces}[a.command](a)
+        return {"train": cmd_train, "eval": cmd_eval, "traces": cmd_traces, "ablate": cmd_ablate,
+                "report": cmd_report}[a.command](a)
     except ConfigError as e:
         print(f"rail: config error: {e}", file=sys.stderr)
         return 2

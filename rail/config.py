@@ -147,6 +147,7 @@ class EvalConfig:
 class TrackingConfig:
     uri: str = F("sqlite:///mlflow.db", "MLflow tracking URI ('' disables MLflow; metrics.jsonl is always written).")
     experiment: str = F("rail", "MLflow experiment name.")
+    parent_run_id: str = F("", "MLflow run id this run is logged under as a nested child run (tag mlflow.parentRunId); `rail ablate` sets it (empty: a top-level run).")
 
 
 @dataclass

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,12 @@ def _artifacts_for(uri: str) -> str | None:
     return None
 
 
+def mlflow_metric_name(name: str) -> str:
+    """MLflow accepts only alphanumerics, ``_ - . : /`` and spaces in metric names: ``how@where`` is logged
+    as ``how:where`` (``intervention/rubric_hint:violation/decisions``); metrics.jsonl keeps the ``@``."""
+    return re.sub(r"[^\w\-. :/]", lambda m: ":" if m.group() == "@" else "_", name)
+
+
 class MlflowTracker(NullTracker):
     """MLflow run; every call is guarded, and the first failure disables the tracker with one warning."""
 
@@ -126,7 +133,7 @@ class MlflowTracker(NullTracker):
         import time
 
         ts = int(time.time() * 1000)
-        batch = [Metric(k, float(v), ts, step) for k, v in metrics.items()
+        batch = [Metric(mlflow_metric_name(k), float(v), ts, step) for k, v in metrics.items()
                  if isinstance(v, (int, float)) and math.isfinite(v)]
         self._guard(lambda: [self.client.log_batch(self.run_id, metrics=batch[i:i + 500])
                              for i in range(0, len(batch), 500)])

@@ -135,7 +135,8 @@ class Trainer:
         if not self.cfg.tracking.uri:
             return MultiTracker(jsonl, NullTracker())
         ml = MlflowTracker(self.cfg.tracking.uri, self.cfg.tracking.experiment, self.cfg.run.name,
-                           run_id=self.state.mlflow_run_id if resume else None)
+                           run_id=self.state.mlflow_run_id if resume else None,
+                           parent_run_id=self.cfg.tracking.parent_run_id or None)
         self.state.mlflow_run_id = ml.run_id
         if not resume:
             ml.log_params(self.cfg.to_dict())
