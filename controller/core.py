@@ -160,15 +160,16 @@ class LearnedController:
                 raise ValueError(f"group {g.id}: heuristic action {g.heuristic!r} is not among its actions")
             ctx = Bandit.context_json(_features(g.context), [_features({**a.features, "cost": a.cost}) for a in acts])
             q = self.bandit.scores(ctx)
-            prepared.append((g, acts, q, pos))
-        prepared.sort(key=lambda x: (-max(x[2]), x[0].id))
+            prepared.append((g, acts, ctx, q, pos))
+        prepared.sort(key=lambda x: (-max(x[3]), x[0].id))
         left = float(budget)
         out: list = [None] * len(prepared)
-        for g, acts, _, pos in prepared:
+        for g, acts, ctx, q, pos in prepared:
             fit = [a for a in acts if a.cost <= left + 1e-9]
-            ctx = Bandit.context_json(_features(g.context), [_features({**a.features, "cost": a.cost}) for a in fit])
+            if len(fit) < len(acts):  # some actions no longer fit: the context and scores are of those that do
+                ctx = {"s": ctx["s"], "_multi": [m for a, m in zip(acts, ctx["_multi"]) if a.cost <= left + 1e-9]}
+                q = self.bandit.scores(ctx)
             pi = self.bandit.predict(ctx)
-            q = self.bandit.scores(ctx)
             k = len(fit)
             h_name = g.heuristic if g.heuristic in [a.name for a in fit] else NONE
             h = [1.0 if a.name == h_name else 0.0 for a in fit]

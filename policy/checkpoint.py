@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from policy.fileio import write_text_atomic
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the directory and the file."""
@@ -30,16 +32,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def save_checkpoint(root: Path, step: int, model, tokenizer, optimizer_state: dict, state: dict[str, Any],

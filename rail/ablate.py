@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from policy.fileio import write_text_atomic
 from rail.config import Config, ConfigError, build_config, merge, validate
 
 TOP_LEVEL = ("ablation", "base", "preset", "arms")
@@ -46,22 +47,6 @@ ARM_SECTIONS = ("controller",)
 MANAGED = ("run.name", "run.out", "run.seed", "run.threads", "tracking.parent_run_id")
 STATE_FILE = "ablation.json"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename (torch-free twin of the checkpoint one)."""
-    import tempfile
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)  # an ordinary file, not mkstemp's private 0600
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------- the ablation file

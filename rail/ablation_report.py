@@ -568,7 +568,7 @@ def _md_escape(s: str) -> str:
 # ---------------------------------------------------------------------------- entry points
 def write_report(root: Path, parent=None, figures: bool = True) -> dict:
     """Write report.md, report.json and the figures into ``root``; log them to the parent run if any."""
-    from rail.ablate import write_text_atomic
+    from policy.fileio import write_text_atomic
 
     root = Path(root)
     state, runs = load_ablation_dir(root)

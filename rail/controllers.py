@@ -408,10 +408,10 @@ class RailController(_Reserving):
         for g in groups:
             if g.n_base == 0 or g.interventions:
                 continue
-            legal = menu.legal(g)
-            options = {iv.name: iv for iv in legal}
-            acts = [Action(iv.name, {**iv.features(), "cost_share": menu.cost(g, iv) / max(1, self.cfg.step_budget())},
-                           float(menu.cost(g, iv))) for iv in legal]
+            costs = {iv: menu.cost(g, iv) for iv in menu.legal(g)}
+            options = {iv.name: iv for iv in costs}
+            step_budget = max(1, self.cfg.step_budget())
+            acts = [Action(iv.name, {**iv.features(), "cost_share": c / step_budget}, float(c)) for iv, c in costs.items()]
             h = self._heuristic(g, menu)
             requests.append(Group(f"g{g.group}", self._context(g, remaining), acts,
                                   heuristic=h.name if h is not None and h.name in options else None))

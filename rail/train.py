@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from policy.checkpoint import (latest_checkpoint, load_optimizer_state, save_checkpoint,
-                               verify_checkpoint, write_text_atomic)
+from policy.checkpoint import latest_checkpoint, load_optimizer_state, save_checkpoint, verify_checkpoint
+from policy.fileio import write_text_atomic
 from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
 from policy.learner import GRPOLearner, LearnerSettings
 from policy.model import count_parameters, load_policy
