@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from policy import grpo
-from policy.records import Trajectory
+from policy.records import Origin, Trajectory
 
 
 COMPOSITIONS = ("mix", "replace")
@@ -39,6 +39,7 @@ class LearnerSettings:
     entropy_coef: float = 0.0
     shift_threshold: float = float("inf")  # drop intervened trajectories whose shift measure exceeds this
     shaping_gamma: float = 0.0  # LUFFY policy shaping on guided tokens (0: off, the ordinary clipped ratio)
+    injected_gamma: float = 0.0  # train injected reference steps as expert tokens, f = pi/(pi+gamma) (0: context only)
     temperature: float = 1.0  # logits are divided by the rollout temperature, as the behaviour's were
     max_tokens: int = 96  # Dr.GRPO's constant normaliser: the most tokens a rollout can generate
 
@@ -52,7 +53,8 @@ class PreparedBatch:
 
 def pad_training_views(trajs: list[Trajectory], pad_id: int):
     """Right-padded training views (B, L): ids, attention mask, loss mask, behaviour log-probs, post-tool flags,
-    off-policy flags (policy tokens sampled under guidance the view strips)."""
+    off-policy flags (policy tokens sampled under guidance the view strips), injected flags (tokens an
+    intervention wrote as the policy's turn)."""
     views = [t.training_view() for t in trajs]
     B, L = len(views), max(len(v[0]) for v in views)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -61,13 +63,15 @@ def pad_training_views(trajs: list[Trajectory], pad_id: int):
     old = torch.zeros((B, L))
     post_tool = torch.zeros((B, L), dtype=torch.bool)
     offpolicy = torch.zeros((B, L), dtype=torch.bool)
-    for b, ((i, m, lp, turn, _), tr) in enumerate(zip(views, trajs)):
+    injected = torch.zeros((B, L), dtype=torch.bool)
+    for b, ((i, m, lp, turn, origin), tr) in enumerate(zip(views, trajs)):
         n = len(i)
         ids[b, :n], attn[b, :n] = torch.tensor(i), 1
         mask[b, :n], old[b, :n] = torch.tensor(m, dtype=torch.float), torch.tensor(lp)
         post_tool[b, :n] = torch.tensor([t >= 1 for t in turn])
         offpolicy[b, :n] = torch.tensor(tr.offpolicy_flags(), dtype=torch.bool)
-    return ids, attn, mask, old, post_tool, offpolicy
+        injected[b, :n] = torch.tensor([o == Origin.INJECTED for o in origin])
+    return ids, attn, mask, old, post_tool, offpolicy, injected
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -191,7 +195,7 @@ class GRPOLearner:
         try:
             for i in range(0, len(trajs), self.s.minibatch_size):
                 chunk = trajs[i : i + self.s.minibatch_size]
-                ids, attn, _, old, _, off = pad_training_views(chunk, self.pad_id)
+                ids, attn, _, old, _, off, _ = pad_training_views(chunk, self.pad_id)
                 logp = grpo.gather_logprobs(self._logits(self.model, ids, attn), ids[:, 1:])  # (B, T)
                 out += grpo.shift_measure(logp, old[:, 1:], off[:, 1:]).tolist()
         finally:
@@ -200,11 +204,12 @@ class GRPOLearner:
 
     # ------------------------------------------------------------------ forward
     def _batch(self, trajs: list[Trajectory], advs: list[float]):
-        ids, attn, mask, old, post_tool, off = pad_training_views(trajs, self.pad_id)
+        ids, attn, mask, old, post_tool, off, inj = pad_training_views(trajs, self.pad_id)
         B, L = ids.shape
         adv = torch.tensor(advs, dtype=torch.float)[:, None].expand(B, L - 1)  # (B, T)
         # token k is predicted from position k-1: shift everything that describes targets by one
-        return ids, attn, mask[:, 1:], old[:, 1:], post_tool[:, 1:] & (mask[:, 1:] > 0), adv, off[:, 1:]
+        return (ids, attn, mask[:, 1:], old[:, 1:], post_tool[:, 1:] & (mask[:, 1:] > 0), adv, off[:, 1:],
+                inj[:, 1:])
 
     def _logits(self, model, ids, attn) -> torch.Tensor:
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # (B, T, V)
@@ -223,7 +228,7 @@ class GRPOLearner:
             order = torch.randperm(n, generator=generator).tolist()
             for i in range(0, n, s.minibatch_size):
                 sel = order[i : i + s.minibatch_size]
-                ids, attn, mask, old, shape_mask, adv, off = self._batch(
+                ids, attn, mask, old, shape_mask, adv, off, inj = self._batch(
                     [batch.trajectories[j] for j in sel], [batch.advantages[j] for j in sel])
                 logits = self._logits(self.model, ids, attn)  # (B, T, V)
                 logp = grpo.gather_logprobs(logits, ids[:, 1:])  # (B, T)
@@ -236,7 +241,9 @@ class GRPOLearner:
                         ref = grpo.gather_logprobs(self._logits(self.ref_model, ids, attn), ids[:, 1:])
                 loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, s.eps_low, s.eps_high, s.loss_agg,
                                               max_tokens=s.max_tokens, ref_logp=ref, kl_coef=s.kl_coef,
-                                              offpolicy_mask=off, shaping_gamma=s.shaping_gamma)
+                                              offpolicy_mask=off, shaping_gamma=s.shaping_gamma,
+                                              expert_mask=inj if s.injected_gamma > 0 else None,
+                                              expert_gamma=s.injected_gamma or 0.1)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip if s.grad_clip > 0 else float("inf"))

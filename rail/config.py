@@ -56,6 +56,7 @@ class WarmStartConfig:
     lr: float = F(3e-3, "Warm-start learning rate (AdamW, cosine decay).")
     noise: float = F(0.4, "Share of demonstrations from an imperfect demonstrator (one wrong call, then consistent).")
     guided_share: float = F(0.2, "Share of demonstrations that follow guidance in their context (a plan or a rubric hint), so the built-in model can read the interventions' guidance.")
+    guided_levels: list[int] = F([1, 2, 3, 4], "Levels the guided demonstrations are drawn from (empty: `warmstart.levels`). Reading guidance at levels it cannot solve alone is what a pretrained model brings.")
     cache_dir: str = F(".cache/rail/warmstart", "Where warm-started models are cached, keyed by their config.")
 
 
@@ -104,6 +105,7 @@ class LearnerConfig:
     entropy_coef: float = F(0.0, "TAO-RL entropy shaping c in A*(1 + c*z) on the turn after a tool result.")
     shift_threshold: float = F(1.0, "Shift filter: drop an intervened trajectory whose mean log-ratio (guided vs stripped context, policy tokens sampled under guidance) exceeds this.")
     shaping_gamma: float = F(0.0, "LUFFY policy shaping pi/(pi+gamma) on tokens sampled under guidance (0: off, the clipped ratio).")
+    injected_gamma: float = F(0.0, "Train the reference step a guided_step intervention wrote into a trajectory as an expert token (LUFFY's off-policy shaping pi/(pi+gamma), positive advantages only); 0: context only, never trained.")
 
 
 @dataclass
@@ -341,6 +343,9 @@ def validate(cfg: Config) -> None:
                         ("warmstart.levels", cfg.warmstart.levels)):
         if not levels or any(lv < 1 or lv > 8 for lv in levels):
             raise ConfigError(f"{key} = {levels}: must be a non-empty list of levels in 1..8")
+    if any(lv < 1 or lv > 8 for lv in cfg.warmstart.guided_levels):
+        raise ConfigError(f"warmstart.guided_levels = {cfg.warmstart.guided_levels}: levels must be in 1..8 "
+                          f"(or an empty list: the warm-start levels)")
     need = max(cfg.env.levels + cfg.eval.levels) + 1
     if r.max_turns < need:
         raise ConfigError(f"rollout.max_turns = {r.max_turns} cannot solve level {need - 1} "
@@ -374,6 +379,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"learner.shift_threshold = {L.shift_threshold}: must be > 0 (inf: no filter)")
     if L.shaping_gamma < 0:
         raise ConfigError(f"learner.shaping_gamma = {L.shaping_gamma}: must be >= 0")
+    if L.injected_gamma < 0:
+        raise ConfigError(f"learner.injected_gamma = {L.injected_gamma}: must be >= 0 (0: injected steps are context only)")
 
 
 def config_markdown() -> str:

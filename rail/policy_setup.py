@@ -24,7 +24,7 @@ from rail.config import Config
 from rail.envs import Action, Environment, ToolRunner, rubric_status
 
 log = logging.getLogger("rail")
-CACHE_VERSION = "3"  # bump when the warm-start procedure changes
+CACHE_VERSION = "4"  # bump when the warm-start procedure changes
 
 
 def vocabulary(envs: dict[str, Environment]) -> list[str]:
@@ -157,10 +157,11 @@ def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg:
         trajs = []
         for k in range(ws.batch_size):
             env = envs[names[k % len(names)]]
-            (task,) = env.sample_tasks(rng, ws.levels, 1)
             if rng.random() < ws.guided_share:
+                (task,) = env.sample_tasks(rng, ws.guided_levels or ws.levels, 1)
                 tr = guided_demonstration(env, task, renderer, rng)
             else:
+                (task,) = env.sample_tasks(rng, ws.levels, 1)
                 tr = reference_trajectory(env, task, renderer,
                                           actions=demonstration(task, rng, ws.noise, alternatives))
                 if not all(st.ok for st in tr.steps):  # a perturbed call left the tool's range: use the guide

@@ -102,7 +102,7 @@ class Trainer:
                             eps_high=L.eps_high, loss_agg=L.loss_agg, adv_scale=L.adv_scale, kl_coef=L.kl_coef,
                             grad_clip=L.grad_clip, drop_zero_variance=L.drop_zero_variance,
                             mask_all_tools_failed=L.mask_all_tools_failed, entropy_coef=L.entropy_coef,
-                            shift_threshold=L.shift_threshold, shaping_gamma=L.shaping_gamma,
+                            shift_threshold=L.shift_threshold, shaping_gamma=L.shaping_gamma, injected_gamma=L.injected_gamma,
                             temperature=cfg.rollout.temperature, max_tokens=cfg.max_rollout_tokens),
             total_updates=cfg.run.steps * L.epochs * mb_per_step, pad_id=self.renderer.pad)
         self.controller = CONTROLLERS[cfg.controller.name](config=cfg, out=out)

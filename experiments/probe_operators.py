@@ -1,0 +1,86 @@
+# What each intervention operator can do at each level, on the warm-started policy before any RL: the base
+# success rate, where failed rollouts first violate the rubric, and the success rate of rollouts produced by
+# each operator from each failed group's source trajectory. It shows where the capability boundary lies and
+# which help the policy can use there (docs/benchmarks.md, "What the operators can do at the boundary").
+# Run: .venv/bin/python experiments/probe_operators.py [--tasks 24] [--set warmstart.guided_levels=[1,2]]
+"""Prints one JSON line per (level, family) and a final JSON summary line."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+import numpy as np
+import torch
+
+from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
+from policy.tokenizer import ChatRenderer
+from rail import interventions as ivs
+from rail.config import build_config, parse_set
+from rail.envs import ToolRunner, make_env, rubric_status
+from rail.policy_setup import make_policy
+
+OPERATORS = ("resample@violation", "rubric_hint@violation", "guided_step@violation", "action_guide@start",
+             "action_guide@violation")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tasks", type=int, default=24, help="tasks per family and level")
+    ap.add_argument("--group", type=int, default=8, help="base rollouts per task, and rollouts per operator")
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = build_config("default", sets=[{"tracking": {"uri": ""}}] + [parse_set(s) for s in a.sets])
+    envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
+    t0 = time.perf_counter()
+    model, tok, info = make_policy(cfg, envs)
+    t_ws = time.perf_counter() - t0
+    engine = TransformersEngine(model, ChatRenderer(tok), batch_size=cfg.rollout.batch_size)
+    params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_tokens_per_turn,
+                            cfg.rollout.max_turns)
+    rng = np.random.default_rng([cfg.run.seed, 5])
+    rows = []
+    for level in a.levels:
+        for fam in cfg.env.families:
+            env, runner = envs[fam], ToolRunner(envs[fam])
+            tasks = env.sample_tasks(rng, [level], a.tasks)
+            reqs = [RolloutRequest(task=t, env=runner, system=env.system_prompt(), group=i)
+                    for i, t in enumerate(tasks) for _ in range(a.group)]
+            trajs = engine.generate(reqs, params, seed=level)
+            for tr in trajs:
+                task = tasks[tr.group]
+                tr.reward, tr.rubric = env.reward(task, tr.steps), rubric_status(env, task, tr.steps)
+            failed = [tr for tr in trajs if tr.reward < 1.0 and tr.rubric.first_violated is not None]
+            first = collections.Counter(tr.rubric.first_violated for tr in failed)
+            groups = [[tr for tr in trajs if tr.group == i] for i in range(len(tasks))]
+            row = {"level": level, "family": fam, "base_success": round(float(np.mean([t.reward for t in trajs])), 3),
+                   "failed_groups": sum(all(t.reward < 1.0 for t in g) for g in groups),
+                   "first_violated_item": {str(k): v for k, v in sorted(first.items())}}
+            for key in OPERATORS:
+                iv = ivs.Intervention.parse(key, a.group)
+                rq = []
+                for i, g in enumerate(groups):
+                    p = ivs.plan(iv, i, g, tasks[i], runner, env.system_prompt(), "rollouts",
+                                 cfg.rollout.max_tokens_per_turn)
+                    if p is not None:
+                        rq += p.requests
+                out = engine.generate(rq, params, seed=100 + level) if rq else []
+                rs = [env.reward(tasks[r.group], tr.steps) for r, tr in zip(rq, out)]
+                row[key] = round(float(np.mean(rs)), 3) if rs else None
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    summary = {"warmstart": info.get("warmstart"), "warmstart_seconds": round(t_ws, 1),
+               "guided_levels": cfg.warmstart.guided_levels or cfg.warmstart.levels,
+               "seconds": round(time.perf_counter() - t0, 1),
+               "table": {f"{r['family']}/L{r['level']}": {k: r[k] for k in ("base_success", *OPERATORS)} for r in rows}}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
