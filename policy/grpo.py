@@ -336,10 +336,11 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
         if expert_gamma <= 0:
             raise ValueError(f"expert_gamma must be > 0; got {expert_gamma}")
         expert = _as_bool(expert_mask) & ~_as_bool(mask)  # (B, T)
-    m = _as_bool(mask) if expert is None else _as_bool(mask) | expert  # (B, T)
+    sampled = _as_bool(mask)  # (B, T): tokens with a behaviour log-prob
+    m = sampled if expert is None else sampled | expert  # (B, T): every trained token
     zeros = torch.zeros_like(logp)  # (B, T)
     adv = adv.to(logp.dtype)
-    log_ratio = torch.where(m, logp - old_logp.detach().to(logp.dtype), zeros)  # (B, T)
+    log_ratio = torch.where(sampled, logp - old_logp.detach().to(logp.dtype), zeros)  # (B, T); 0 on expert tokens
     ratio = torch.exp(log_ratio)  # (B, T); exactly 1 outside the mask
     surr = ratio * adv  # (B, T)
     surr_clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv  # (B, T)
@@ -354,8 +355,6 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
     if expert is not None:
         pi_e = torch.exp(torch.where(expert, logp, zeros))  # (B, T)
         pg = torch.where(expert, -(pi_e / (pi_e + expert_gamma)) * adv.clamp(min=0), pg)  # (B, T)
-        log_ratio = torch.where(expert, zeros, log_ratio)
-        ratio = torch.exp(log_ratio)  # expert tokens carry no ratio: report them as 1
     per_token = pg  # (B, T)
 
     use_kl = ref_logp is not None

@@ -243,7 +243,7 @@ class GRPOLearner:
                                               max_tokens=s.max_tokens, ref_logp=ref, kl_coef=s.kl_coef,
                                               offpolicy_mask=off, shaping_gamma=s.shaping_gamma,
                                               expert_mask=inj if s.injected_gamma > 0 else None,
-                                              expert_gamma=s.injected_gamma or 0.1)
+                                              expert_gamma=s.injected_gamma)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip if s.grad_clip > 0 else float("inf"))

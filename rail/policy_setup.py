@@ -157,11 +157,11 @@ def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg:
         trajs = []
         for k in range(ws.batch_size):
             env = envs[names[k % len(names)]]
-            if rng.random() < ws.guided_share:
-                (task,) = env.sample_tasks(rng, ws.guided_levels or ws.levels, 1)
+            guided = rng.random() < ws.guided_share
+            (task,) = env.sample_tasks(rng, (ws.guided_levels or ws.levels) if guided else ws.levels, 1)
+            if guided:
                 tr = guided_demonstration(env, task, renderer, rng)
             else:
-                (task,) = env.sample_tasks(rng, ws.levels, 1)
                 tr = reference_trajectory(env, task, renderer,
                                           actions=demonstration(task, rng, ws.noise, alternatives))
                 if not all(st.ok for st in tr.steps):  # a perturbed call left the tool's range: use the guide
@@ -175,7 +175,7 @@ def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg:
         sched.step()
         losses.append(float(loss.detach()))
         if progress is not None:
-            progress(i, float(loss))
+            progress(i, losses[-1])
     model.eval()
     return losses
 
