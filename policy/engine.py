@@ -162,8 +162,54 @@ class _Episode:
                 self._push(tok, Origin.TOOL, 0.0, turn)
 
 
+class _Chunk:
+    """Up to ``batch_size`` episodes that share one KV cache for their whole lifetime.
+
+    ``fed[b]`` counts the context tokens of row ``b`` already in the cache; whatever the context holds beyond
+    them (the first turn's prompt, the turn's last sampled token, a tool observation) is fed at the start of the
+    next turn, left-padded so every row's next token comes from the last position. Padding and the steps a row
+    sits out (it ended its turn early) are masked, so the cache has holes that no row ever attends to; position
+    ids are each row's own token count, so a row sees exactly its unpadded context. Rows whose episode finished
+    are dropped from the cache between turns.
+    """
+
+    def __init__(self, episodes: list[_Episode]):
+        self.eps = episodes
+        self.cache = None
+        self.attn: torch.Tensor | None = None  # (B, cache length), 1 where the cache holds a real token
+        self.fed = [0] * len(episodes)
+
+    def compact(self) -> None:
+        keep = [b for b, e in enumerate(self.eps) if not e.finished]
+        if len(keep) == len(self.eps) or self.cache is None:
+            self.eps = [self.eps[b] for b in keep]
+            self.fed = [self.fed[b] for b in keep]
+            return
+        self.eps = [self.eps[b] for b in keep]
+        self.fed = [self.fed[b] for b in keep]
+        if not keep:
+            self.cache, self.attn = None, None
+            return
+        idx = torch.tensor(keep, device=self.attn.device)
+        self.cache.batch_select_indices(idx)
+        self.attn = self.attn[idx]
+        # columns that no remaining row attends to (the left padding of rows that are gone) are dropped too
+        used = self.attn.any(dim=0).nonzero()
+        first = int(used[0]) if len(used) else 0
+        layers = getattr(self.cache, "layers", None)  # transformers 5's DynamicCache; older caches keep them all
+        if first > 0 and layers is not None and all(getattr(la, "keys", None) is not None for la in layers):
+            for layer in layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+            self.attn = self.attn[:, first:]
+
+
 class TransformersEngine:
-    """Batched sampling with a KV cache on a ``transformers`` causal LM (left-padded, one turn at a time)."""
+    """Batched sampling on a ``transformers`` causal LM with a KV cache kept across turns.
+
+    Each chunk of up to ``batch_size`` episodes keeps its cache from the first prompt token to the end of its
+    episodes: a turn feeds only what is new (the tool observation and the next turn's header), so a rollout's
+    context is encoded once instead of once per turn. Finished episodes leave the cache between turns.
+    """
 
     def __init__(self, model: torch.nn.Module, renderer: ChatRenderer, batch_size: int = 256):
         self.model = model
@@ -197,6 +243,7 @@ class TransformersEngine:
                     for tok in [*self.renderer.encode_turn(g.inject), self.renderer.end_of_turn]:
                         ep._push(tok, Origin.INJECTED, 0.0, turn)
                     ep.end_turn(g.inject, self.renderer, params.max_turns, tool_clock)
+            chunks = [_Chunk(episodes[i : i + self.batch_size]) for i in range(0, len(episodes), self.batch_size)]
             while True:
                 active = [e for e in episodes if not e.finished]
                 if not active:
@@ -205,8 +252,10 @@ class TransformersEngine:
                     for e in active:
                         e.traj.truncated, e.finished = True, True
                     break
-                for i in range(0, len(active), self.batch_size):
-                    self._sample_turn(active[i : i + self.batch_size], params, gen, budget)
+                for ch in chunks:
+                    ch.compact()
+                    if ch.eps:
+                        self._sample_turn(ch, params, gen, budget)
                 for e in active:
                     if e.traj.truncated:  # the token budget ran out mid-turn: do not execute a cut call
                         e.finished = True
@@ -227,27 +276,40 @@ class TransformersEngine:
         cache = getattr(out, "cache", None)
         return cache if cache is not None else out.past_key_values
 
-    def _sample_turn(self, eps: list[_Episode], params: SamplingParams, gen: torch.Generator, budget: list) -> None:
-        """Sample one assistant turn for each episode in ``eps`` (a batch), stopping at end-of-turn."""
-        device = next(self.model.parameters()).device
-        ctx = [e.context() for e in eps]
-        B, L = len(ctx), max(len(c) for c in ctx)
-        pad = self.renderer.pad
-        input_ids = torch.full((B, L), pad, dtype=torch.long)
-        attn = torch.zeros((B, L), dtype=torch.long)
-        for b, c in enumerate(ctx):  # left padding, so every row's next token is at position L
-            input_ids[b, L - len(c):] = torch.tensor(c)
-            attn[b, L - len(c):] = 1
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        input_ids, attn, pos = input_ids.to(device), attn.to(device), pos.to(device)
-        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=True,
-                         logits_to_keep=1)
+    def _forward(self, ch: _Chunk, input_ids, new_attn, pos, logits_to_keep: int = 1) -> torch.Tensor:
+        ch.attn = new_attn if ch.attn is None else torch.cat([ch.attn, new_attn], dim=1)
+        kw = {} if ch.cache is None else {self._cache_kw: ch.cache}
+        out = self.model(input_ids=input_ids, attention_mask=ch.attn, position_ids=pos, use_cache=True,
+                         logits_to_keep=logits_to_keep, **kw)
         self.stats.forward_calls += 1
-        past, logits = self._cache_of(out), out.logits[:, -1]
-        next_pos = pos[:, -1:] + 1
+        ch.cache = self._cache_of(out)
+        return out.logits[:, -1]
+
+    def _feed_pending(self, ch: _Chunk, device) -> torch.Tensor:
+        """Feed every row's context beyond ``fed`` (left-padded); return the next-token logits (B, V)."""
+        pend = [e.context()[f:] for e, f in zip(ch.eps, ch.fed)]
+        B, S = len(pend), max(len(p) for p in pend)
+        ids = torch.full((B, S), self.renderer.pad, dtype=torch.long)
+        attn = torch.zeros((B, S), dtype=torch.long)
+        pos = torch.zeros((B, S), dtype=torch.long)
+        for b, p in enumerate(pend):
+            n = len(p)
+            ids[b, S - n:] = torch.tensor(p)
+            attn[b, S - n:] = 1
+            pos[b, S - n:] = torch.arange(ch.fed[b], ch.fed[b] + n)
+            pos[b, : S - n] = ch.fed[b]  # padding: masked, any position will do
+            ch.fed[b] += n
+        return self._forward(ch, ids.to(device), attn.to(device), pos.to(device))
+
+    def _sample_turn(self, ch: _Chunk, params: SamplingParams, gen: torch.Generator, budget: list) -> None:
+        """Sample one assistant turn for each episode of the chunk, stopping at end-of-turn."""
+        device = next(self.model.parameters()).device
+        eps = ch.eps
+        logits = self._feed_pending(ch, device)
+        B = len(eps)
         alive = torch.ones(B, dtype=torch.bool)
         texts: list[list[int]] = [[] for _ in range(B)]
-        eot = self.renderer.end_of_turn
+        eot, pad = self.renderer.end_of_turn, self.renderer.pad
         for k in range(params.max_tokens_per_turn):
             n_alive = int(alive.sum())
             if n_alive == 0:
@@ -271,13 +333,12 @@ class TransformersEngine:
                     texts[b].append(int(tok[b]))
             if k == params.max_tokens_per_turn - 1 or not bool(alive.any()):
                 break
-            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
-            step_in = torch.where(alive, tok, torch.full_like(tok, pad))[:, None].to(device)
-            out = self.model(input_ids=step_in, attention_mask=attn, position_ids=next_pos,
-                             use_cache=True, **{self._cache_kw: past})
-            self.stats.forward_calls += 1
-            past, logits = self._cache_of(out), out.logits[:, -1]
-            next_pos = next_pos + 1
+            step_in = torch.where(alive, tok, torch.full_like(tok, pad))[:, None]
+            pos = torch.tensor(ch.fed)[:, None]
+            for b in range(B):
+                if alive[b]:
+                    ch.fed[b] += 1
+            logits = self._forward(ch, step_in.to(device), alive.long()[:, None].to(device), pos.to(device))
         for b, e in enumerate(eps):
             if alive[b]:  # ran out of tokens mid-turn: close the turn with an untrained end-of-turn
                 e._push(eot, Origin.TOOL, 0.0, e.traj.n_turns)
