@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from policy import grpo
+from policy.packing import forward_logits
 from policy.records import Origin, Trajectory
 
 
@@ -212,7 +213,7 @@ class GRPOLearner:
                 inj[:, 1:])
 
     def _logits(self, model, ids, attn) -> torch.Tensor:
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # (B, T, V)
+        logits = forward_logits(model, ids, attn, self.pad_id)[:, :-1].float()  # (B, T, V), packed
         return logits / self.s.temperature if self.s.temperature > 0 else logits
 
     # ------------------------------------------------------------------ update

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from policy.learner import pad_training_views
+from policy.packing import forward_logits
 from policy.model import build_tiny_model, load_policy, save_policy
 from policy.records import Origin, Trajectory
 from policy.tokenizer import ChatRenderer, build_word_tokenizer
@@ -24,7 +25,7 @@ from rail.config import Config
 from rail.envs import Action, Environment, ToolRunner, rubric_status
 
 log = logging.getLogger("rail")
-CACHE_VERSION = "4"  # bump when the warm-start procedure changes
+CACHE_VERSION = "5"  # bump when the warm-start procedure changes
 
 
 def vocabulary(envs: dict[str, Environment]) -> list[str]:
@@ -129,7 +130,7 @@ def _cache_key(cfg: Config, vocab: list[str]) -> str:
 
 def sft_loss(model, trajs: list[Trajectory], pad_id: int) -> torch.Tensor:
     ids, attn, mask, *_ = pad_training_views(trajs, pad_id)
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # (B, T, V)
+    logits = forward_logits(model, ids, attn, pad_id)[:, :-1].float()  # (B, T, V), packed
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T)
     m = mask[:, 1:]
     return -(logp * m).sum() / m.sum().clamp(min=1)
