@@ -1,11 +1,13 @@
 # Rollout throughput of the transformers engine against the model's raw batched decode rate on the same
-# shapes (the ceiling for this engine), and a training step's time split into generate / score / update.
+# shapes (the ceiling for this engine), packed against padded training passes on warm-start batches, and a
+# training step's time split into generate / score / controller / update.
 # Run: .venv/bin/python experiments/bench_rollout.py [--batch 64 128 256] [--steps 5]
 """Prints one JSON line per measurement and a final JSON summary line."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import time
@@ -34,6 +36,46 @@ def raw_decode_rate(model, batch: int, context: int, new_tokens: int, pad: int) 
         cache = getattr(out, "cache", None) or out.past_key_values
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
     return batch * new_tokens / (time.perf_counter() - t)
+
+
+def packed_vs_padded(model, renderer, envs, cfg, batches: int = 8, repeats: int = 3) -> dict:
+    """Seconds per forward + backward of the warm start's loss on its own batches, packed and padded,
+    alternated in one run; the share of real tokens in the padded batches."""
+    from policy.learner import pad_training_views
+    from rail import policy_setup as ps
+
+    captured = []
+
+    def capture(_model, trajs, _pad):
+        captured.append(trajs)
+        raise StopIteration
+
+    real_loss, ps.sft_loss = ps.sft_loss, capture
+    try:
+        for i in range(batches):  # the warm start's own batches, with its sampling, for seeds 0..n-1
+            c = build_config("default", sets=[{"run": {"seed": i}, "warmstart": {"steps": 1}}])
+            try:
+                ps.warm_start(copy.deepcopy(model), renderer, envs, c)
+            except StopIteration:
+                pass
+    finally:
+        ps.sft_loss = real_loss
+    real = sum(len(t.prompt_ids) + len(t.ids) for b in captured for t in b)
+    padded = sum(pad_training_views(b, renderer.pad)[0].numel() for b in captured)
+    m = copy.deepcopy(model).train()
+    times = {"packed": 0.0, "padded": 0.0}
+    for _ in range(repeats):
+        for mode in ("packed", "padded"):
+            m._rail_packing_ok = None if mode == "packed" else False  # None: check (and pack) again
+            t = time.perf_counter()
+            for b in captured:
+                m.zero_grad()
+                ps.sft_loss(m, b, renderer.pad).backward()
+            times[mode] += time.perf_counter() - t
+    n = repeats * len(captured)
+    return {"real_token_share_padded": round(real / padded, 3),
+            "padded_s_per_batch": round(times["padded"] / n, 4), "packed_s_per_batch": round(times["packed"] / n, 4),
+            "packed_speedup": round(times["padded"] / times["packed"], 2)}
 
 
 def main() -> None:
@@ -74,6 +116,9 @@ def main() -> None:
         print(json.dumps(r), flush=True)
         results.append(r)
 
+    packing = packed_vs_padded(model, renderer, envs, cfg)
+    print(json.dumps(packing), flush=True)
+
     from rail.train import Trainer
     import tempfile
     from pathlib import Path
@@ -91,7 +136,7 @@ def main() -> None:
             **{f"{k}_share": round(v / tot, 3) for k, v in split.items()}}
     print(json.dumps(step), flush=True)
     print(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
-                      "rollout": results, "train_step": step}))
+                      "rollout": results, "packing": packing, "train_step": step}))
 
 
 if __name__ == "__main__":
