@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import math
+import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -92,13 +94,14 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 
 
 class GRPOLearner:
-    def __init__(self, model: torch.nn.Module, settings: LearnerSettings, total_updates: int, pad_id: int):
+    def __init__(self, model: torch.nn.Module, settings: LearnerSettings, total_steps: int, pad_id: int):
+        """``total_steps``: the training steps (``update`` calls) the learning-rate schedule spans."""
         self.model = model
         self.s = settings
         self.pad_id = pad_id
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(settings.schedule, settings.warmup_steps, total_updates))
+            self.optimizer, lr_lambda(settings.schedule, settings.warmup_steps, total_steps))
         self.ref_model = None
         if settings.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval()
@@ -223,7 +226,9 @@ class GRPOLearner:
         n = len(batch.trajectories)
         agg: dict[str, list[float]] = {}
         if n == 0:
-            return {"skipped": 1.0}
+            lr = float(self.scheduler.get_last_lr()[0])
+            self._advance_schedule()  # the schedule runs on training steps, trained on or not
+            return {"skipped": 1.0, "lr": lr}
         self.model.train()
         for _ in range(s.epochs):
             order = torch.randperm(n, generator=generator).tolist()
@@ -253,7 +258,6 @@ class GRPOLearner:
                     agg.setdefault("nonfinite_skipped", []).append(1.0)
                     continue
                 self.optimizer.step()
-                self.scheduler.step()
                 self.updates += 1
                 st = dict(st, loss=float(loss.detach()), grad_norm=float(gn),
                           entropy=float((ent * mask).sum() / mask.sum().clamp(min=1)))
@@ -261,9 +265,15 @@ class GRPOLearner:
                     agg.setdefault(k, []).append(float(v))
         out = {k: sum(v) / len(v) for k, v in agg.items() if k != "nonfinite_skipped"}
         out["nonfinite_skipped"] = float(len(agg.get("nonfinite_skipped", [])))
-        out["lr"] = float(self.scheduler.get_last_lr()[0])
+        out["lr"] = float(self.scheduler.get_last_lr()[0])  # the rate this step trained at
+        self._advance_schedule()  # once per training step: how many minibatches survive the filters varies
         out["updates"] = float(self.updates)
         return out
+
+    def _advance_schedule(self) -> None:
+        with warnings.catch_warnings():  # a step on which nothing was trained yet is still a step of the schedule
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
+            self.scheduler.step()
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),

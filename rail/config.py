@@ -89,8 +89,8 @@ class BudgetConfig:
 @dataclass
 class LearnerConfig:
     lr: float = F(3e-4, "AdamW learning rate.")
-    schedule: str = F("constant", "Learning-rate schedule after warm-up: 'constant', 'linear' or 'cosine'.")
-    warmup_steps: int = F(0, "Linear learning-rate warm-up, in optimizer steps.")
+    schedule: str = F("cosine", "Learning-rate schedule after warm-up, over `run.steps`: 'constant', 'linear' or 'cosine' (decays to 0 at the last step).")
+    warmup_steps: int = F(0, "Linear learning-rate warm-up, in training steps (the schedule advances once per step, however many minibatches the filters leave).")
     weight_decay: float = F(0.0, "AdamW weight decay.")
     epochs: int = F(1, "Optimisation passes over each step's rollouts (old log-probs are the behaviour's).")
     minibatch_size: int = F(64, "Trajectories per optimizer step.")

@@ -94,7 +94,6 @@ class Trainer:
         self.renderer = ChatRenderer(self.tokenizer)
         self.engine = TransformersEngine(self.model, self.renderer, batch_size=cfg.rollout.batch_size)
         L = cfg.learner
-        mb_per_step = math.ceil(cfg.budget.rollouts_per_step / L.minibatch_size)
         self.learner = GRPOLearner(
             self.model,
             LearnerSettings(lr=L.lr, schedule=L.schedule, warmup_steps=L.warmup_steps, weight_decay=L.weight_decay,
@@ -104,7 +103,7 @@ class Trainer:
                             mask_all_tools_failed=L.mask_all_tools_failed, entropy_coef=L.entropy_coef,
                             shift_threshold=L.shift_threshold, shaping_gamma=L.shaping_gamma, injected_gamma=L.injected_gamma,
                             temperature=cfg.rollout.temperature, max_tokens=cfg.max_rollout_tokens),
-            total_updates=cfg.run.steps * L.epochs * mb_per_step, pad_id=self.renderer.pad)
+            total_steps=cfg.run.steps, pad_id=self.renderer.pad)
         self.controller = CONTROLLERS[cfg.controller.name](config=cfg, out=out)
         self.ledger = BudgetLedger(cfg.budget.unit, cfg.step_budget(), cfg.budget.total)
         if ckpt is not None:

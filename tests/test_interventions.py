@@ -175,7 +175,7 @@ def test_luffy_shaping_by_hand():
 
 
 def _learner(model, tok, **kw):
-    return GRPOLearner(model, LearnerSettings(lr=1e-3, epochs=1, minibatch_size=8, **kw), total_updates=10,
+    return GRPOLearner(model, LearnerSettings(lr=1e-3, epochs=1, minibatch_size=8, **kw), total_steps=10,
                        pad_id=ChatRenderer(tok).pad)
 
 
