@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import platform
 import time
@@ -39,27 +40,12 @@ def raw_decode_rate(model, batch: int, context: int, new_tokens: int, pad: int) 
 
 
 def packed_vs_padded(model, renderer, envs, cfg, batches: int = 8, repeats: int = 3) -> dict:
-    """Seconds per forward + backward of the warm start's loss on its own batches, packed and padded,
+    """Seconds per forward + backward of the warm start's loss on its first batches, packed and padded,
     alternated in one run; the share of real tokens in the padded batches."""
     from policy.learner import pad_training_views
-    from rail import policy_setup as ps
+    from rail.policy_setup import demonstration_batches, sft_loss
 
-    captured = []
-
-    def capture(_model, trajs, _pad):
-        captured.append(trajs)
-        raise StopIteration
-
-    real_loss, ps.sft_loss = ps.sft_loss, capture
-    try:
-        for i in range(batches):  # the warm start's own batches, with its sampling, for seeds 0..n-1
-            c = build_config("default", sets=[{"run": {"seed": i}, "warmstart": {"steps": 1}}])
-            try:
-                ps.warm_start(copy.deepcopy(model), renderer, envs, c)
-            except StopIteration:
-                pass
-    finally:
-        ps.sft_loss = real_loss
+    captured = list(itertools.islice(demonstration_batches(renderer, envs, cfg), batches))
     real = sum(len(t.prompt_ids) + len(t.ids) for b in captured for t in b)
     padded = sum(pad_training_views(b, renderer.pad)[0].numel() for b in captured)
     m = copy.deepcopy(model).train()
@@ -70,7 +56,7 @@ def packed_vs_padded(model, renderer, envs, cfg, batches: int = 8, repeats: int 
             t = time.perf_counter()
             for b in captured:
                 m.zero_grad()
-                ps.sft_loss(m, b, renderer.pad).backward()
+                sft_loss(m, b, renderer.pad).backward()
             times[mode] += time.perf_counter() - t
     n = repeats * len(captured)
     return {"real_token_share_padded": round(real / padded, 3),

@@ -13,22 +13,21 @@ from pathlib import Path
 from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
 from policy.model import load_policy
 from policy.tokenizer import ChatRenderer
-from rail.config import Config, merge
 from rail.envs import ToolRunner, make_env, rubric_status
+from rail.train import resolve_checkpoint
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("checkpoint", type=Path, help="a checkpoint directory (…/checkpoints/step_N)")
+    ap.add_argument("checkpoint", type=Path, help="a run directory (its latest checkpoint) or …/checkpoints/step_N")
     ap.add_argument("--family", default="lookup")
     ap.add_argument("--level", type=int, default=2)
     ap.add_argument("--tasks", type=int, default=48)
     ap.add_argument("--show", type=int, default=6, help="failed episodes to print")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
-    run_dir = a.checkpoint.parent.parent
-    cfg = merge(Config(), json.loads((run_dir / "config.json").read_text()), str(run_dir / "config.json"))
-    model, tok = load_policy(a.checkpoint / "model")
+    ckpt, cfg = resolve_checkpoint(a.checkpoint)
+    model, tok = load_policy(ckpt / "model")
     env = make_env(a.family, cfg.env.seed)
     tasks = env.eval_tasks(a.level, a.tasks)
     params = SamplingParams(cfg.eval.temperature, 1.0, cfg.rollout.max_tokens_per_turn, cfg.rollout.max_turns)

@@ -180,13 +180,14 @@ class _Chunk:
         self.fed = [0] * len(episodes)
 
     def compact(self) -> None:
+        """Drop the rows whose episode finished, from the episodes and from the cache."""
         keep = [b for b, e in enumerate(self.eps) if not e.finished]
-        if len(keep) == len(self.eps) or self.cache is None:
-            self.eps = [self.eps[b] for b in keep]
-            self.fed = [self.fed[b] for b in keep]
+        if len(keep) == len(self.eps):
             return
         self.eps = [self.eps[b] for b in keep]
         self.fed = [self.fed[b] for b in keep]
+        if self.cache is None:  # nothing fed yet (an injected step ended the episode before any sampling)
+            return
         if not keep:
             self.cache, self.attn = None, None
             return
@@ -276,11 +277,12 @@ class TransformersEngine:
         cache = getattr(out, "cache", None)
         return cache if cache is not None else out.past_key_values
 
-    def _forward(self, ch: _Chunk, input_ids, new_attn, pos, logits_to_keep: int = 1) -> torch.Tensor:
+    def _forward(self, ch: _Chunk, input_ids, new_attn, pos) -> torch.Tensor:
+        """Append ``input_ids`` (B, S) to the chunk's cache; return the last position's logits (B, V)."""
         ch.attn = new_attn if ch.attn is None else torch.cat([ch.attn, new_attn], dim=1)
         kw = {} if ch.cache is None else {self._cache_kw: ch.cache}
         out = self.model(input_ids=input_ids, attention_mask=ch.attn, position_ids=pos, use_cache=True,
-                         logits_to_keep=logits_to_keep, **kw)
+                         logits_to_keep=1, **kw)
         self.stats.forward_calls += 1
         ch.cache = self._cache_of(out)
         return out.logits[:, -1]

@@ -136,14 +136,12 @@ def sft_loss(model, trajs: list[Trajectory], pad_id: int) -> torch.Tensor:
     return -(logp * m).sum() / m.sum().clamp(min=1)
 
 
-def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg: Config, progress=None) -> list[float]:
-    """SFT on reference trajectories of ``warmstart.levels``; returns the loss curve."""
+def demonstration_batches(renderer: ChatRenderer, envs: dict[str, Environment], cfg: Config):
+    """The warm start's batches, in order: ``warmstart.steps`` lists of ``warmstart.batch_size`` reference
+    trajectories (families alternating; a share ``guided_share`` guided, the rest from the imperfect
+    demonstrator), drawn from one generator seeded by ``run.seed``."""
     ws = cfg.warmstart
     rng = np.random.default_rng([cfg.run.seed, 7919])
-    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + np.cos(np.pi * min(1.0, i / ws.steps))))
-    model.train()
-    losses = []
     names = sorted(envs)
     alternatives: dict[str, list[str]] = {}  # values each tool's second argument takes in the action guides
     for name in names:
@@ -154,7 +152,7 @@ def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg:
                     if a.args[1] not in alternatives[a.tool]:
                         alternatives[a.tool].append(a.args[1])
     alternatives = {tool: sorted(values) for tool, values in alternatives.items()}  # fixed confusion partners
-    for i in range(ws.steps):
+    for _ in range(ws.steps):
         trajs = []
         for k in range(ws.batch_size):
             env = envs[names[k % len(names)]]
@@ -168,6 +166,17 @@ def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg:
                 if not all(st.ok for st in tr.steps):  # a perturbed call left the tool's range: use the guide
                     tr = reference_trajectory(env, task, renderer)
             trajs.append(tr)
+        yield trajs
+
+
+def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg: Config, progress=None) -> list[float]:
+    """SFT on reference trajectories of ``warmstart.levels``; returns the loss curve."""
+    ws = cfg.warmstart
+    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + np.cos(np.pi * min(1.0, i / ws.steps))))
+    model.train()
+    losses = []
+    for i, trajs in enumerate(demonstration_batches(renderer, envs, cfg)):
         loss = sft_loss(model, trajs, renderer.pad)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -597,8 +597,9 @@ def resume_run(out: Path, show_progress: bool = True) -> tuple[Trainer, Path]:
     return Trainer(cfg, out, resume=True, show_progress=show_progress), out
 
 
-def eval_checkpoint(path: Path, tasks_per_level: int | None = None, temperature: float | None = None) -> dict:
-    """Evaluate a checkpoint (a run directory, or a checkpoint directory inside one) on the held-out tasks."""
+def resolve_checkpoint(path: Path) -> tuple[Path, Config]:
+    """(checkpoint directory, the run's config) for a run directory (its latest checkpoint) or a checkpoint
+    directory inside one; the checkpoint's checksums are verified."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
         run_dir, ckpt = path, latest_checkpoint(path / "checkpoints")
@@ -608,7 +609,12 @@ def eval_checkpoint(path: Path, tasks_per_level: int | None = None, temperature:
         raise RunError(f"{path}: neither a run directory nor a checkpoint directory")
     verify_checkpoint(ckpt)
     raw = json.loads((run_dir / "config.json").read_text())
-    cfg = merge(Config(), raw, str(run_dir / "config.json"))
+    return ckpt, merge(Config(), raw, str(run_dir / "config.json"))
+
+
+def eval_checkpoint(path: Path, tasks_per_level: int | None = None, temperature: float | None = None) -> dict:
+    """Evaluate a checkpoint (a run directory, or a checkpoint directory inside one) on the held-out tasks."""
+    ckpt, cfg = resolve_checkpoint(path)
     if tasks_per_level is not None:
         cfg.eval.tasks_per_level = tasks_per_level
     if temperature is not None:

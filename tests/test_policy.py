@@ -115,13 +115,7 @@ def test_engine_multi_turn_masks_and_logprobs(tok, model):
         ids, mask, *_ = tr.training_view()
         assert ids[: len(tr.prompt_ids)] == tr.prompt_ids and sum(mask) == len(pol)
     # the behaviour log-probs are the model's own: recompute one trajectory's with a plain forward pass
-    tr = trajs[0]
-    ids, mask, lps, *_ = tr.training_view()
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
-    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
-    m = torch.tensor(mask[1:], dtype=torch.bool)
-    assert torch.allclose(ref[m], torch.tensor(lps[1:])[m], atol=1e-4)
+    assert _recomputed_logprobs_match(model, trajs[0])
 
 
 def test_engine_is_reproducible_and_batch_size_independent(tok, model):
