@@ -7,8 +7,9 @@ An ablation file (``experiments/ablations/*.toml``, docs/ablation.md) holds:
 - ``[base]``: config overrides shared by every arm, in the ``[section]`` form of ``rail train --config``;
 - ``[preset.<P>]``: more shared overrides, applied only with ``--preset P`` (run length and evaluation
   sizes), and optionally ``seeds`` for that preset;
-- ``[arms.<arm>]``: an optional ``description`` and the arm's ``controller`` settings. Arms may set nothing
-  else, so every arm gets the same budget, environments, evaluation and, per seed, the same task streams
+- ``[arms.<arm>]``: an optional ``description`` and the arm's ``controller`` and ``learner`` settings (what
+  decides the interventions and how their rollouts are learned from). Arms may set nothing else, so every
+  arm gets the same budget, warm start, environments, evaluation and, per seed, the same base task streams
   (the trainer derives them from ``(run.seed, step)``).
 
 A job's config is: the training preset < ``[base]`` < ``[preset.<P>]`` < ``--set`` < ``[arms.<arm>]`` <
@@ -42,7 +43,7 @@ from rail.config import Config, ConfigError, build_config, merge, validate
 
 TOP_LEVEL = ("ablation", "base", "preset", "arms")
 ABLATION_KEYS = ("name", "description", "seeds")
-ARM_SECTIONS = ("controller",)
+ARM_SECTIONS = ("controller", "learner")
 #: Fields ``rail ablate`` sets per job; an ablation file or ``--set`` may not.
 MANAGED = ("run.name", "run.out", "run.seed", "run.threads", "tracking.parent_run_id")
 STATE_FILE = "ablation.json"
@@ -202,7 +203,8 @@ def arm_config(ab: Ablation, arm: str, preset: str, seed: int, out: Path, sets: 
 def shared_view(cfg: Config) -> dict:
     """The part of a job's config every arm (and every seed) must share."""
     d = cfg.to_dict()
-    d.pop("controller")
+    for section in ARM_SECTIONS:
+        d.pop(section)
     for k in ("name", "out", "seed", "threads"):
         d["run"].pop(k)
     d["tracking"].pop("parent_run_id")
@@ -272,7 +274,7 @@ class Job:
 
 def plan_jobs(ab: Ablation, preset: str, out: Path, arms: list[str] | None = None, seeds: int | None = None,
               sets: list[dict] = (), tracking_uri: str | None = None) -> list[Job]:
-    """Every (arm, seed) job, seed-major (all arms of seed 0 first); checks that only controllers differ."""
+    """Every (arm, seed) job, seed-major (all arms of seed 0 first); checks that arms differ only in ARM_SECTIONS."""
     names = list(ab.arms)
     if arms:
         unknown = [a for a in arms if a not in ab.arms]
@@ -289,8 +291,8 @@ def plan_jobs(ab: Ablation, preset: str, out: Path, arms: list[str] | None = Non
         v = shared_view(j.cfg)
         if v != ref:
             diff = sorted(f"{s}.{k}" for s in v for k in v[s] if v[s][k] != ref[s].get(k))
-            raise ConfigError(f"{ab.path}: arm {j.arm} differs from arm {jobs[0].arm} outside [controller] "
-                              f"({', '.join(diff)}); arms must share everything but the controller")
+            raise ConfigError(f"{ab.path}: arm {j.arm} differs from arm {jobs[0].arm} outside "
+                              f"[{'], ['.join(ARM_SECTIONS)}] ({', '.join(diff)}); arms must share everything else")
     return jobs
 
 

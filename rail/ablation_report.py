@@ -265,6 +265,42 @@ def _eval_tasks(run: dict | None, which: str) -> int | None:
     return fams * len(run[which]) * int(c.get("eval", {}).get("tasks_per_level", 0))
 
 
+# ---------------------------------------------------------------------------- against plain GRPO
+def versus_none(rep: dict) -> dict:
+    """Does any intervening arm end higher than ``none`` beyond the boundary? Paired over seeds, like ``compare``."""
+    arms = rep["arms"]
+    out: dict[str, Any] = {"vs": {}, "above_ci": []}
+    if "none" not in arms or arms["none"]["final_beyond"] is None:
+        out["text"] = "No comparison: no finished `none` arm (or no level beyond the boundary was evaluated)."
+        return out
+    N = arms["none"]
+    for a in rep["arms_order"]:
+        if a == "none" or arms[a]["final_beyond"] is None:
+            continue
+        A = arms[a]
+        paired = [s for s in A["seeds"] if s in N["seeds"]]
+        d = [A["per_seed"][str(s)]["final_beyond"] - N["per_seed"][str(s)]["final_beyond"] for s in paired]
+        de = [A["per_seed"][str(s)]["final_easy"] - N["per_seed"][str(s)]["final_easy"] for s in paired]
+        out["vs"][a] = {"final_beyond_diff": _mean(d), "final_beyond_diff_ci": t_interval(d) if len(d) >= 2 else None,
+                        "final_easy_diff": _mean(de), "final_easy_diff_ci": t_interval(de) if len(de) >= 2 else None,
+                        "paired_seeds": paired}
+    out["above_ci"] = [a for a, v in out["vs"].items() if v["final_beyond_diff_ci"] and v["final_beyond_diff_ci"][0] > 0]
+    if not out["vs"]:
+        out["text"] = "No comparison: `none` is the only finished arm."
+    elif out["above_ci"]:
+        out["text"] = ("**Yes**: " + ", ".join(
+            f"`{a}` (+{out['vs'][a]['final_beyond_diff']:.3f}, 95% CI [{out['vs'][a]['final_beyond_diff_ci'][0]:.3f}, "
+            f"{out['vs'][a]['final_beyond_diff_ci'][1]:.3f}])" for a in out["above_ci"])
+            + " ends higher than `none` beyond the boundary, the paired interval over seeds above 0.")
+    else:
+        best = max(out["vs"], key=lambda a: out["vs"][a]["final_beyond_diff"])
+        ci = out["vs"][best]["final_beyond_diff_ci"]
+        out["text"] = (f"**No**: no arm's paired interval of final beyond-boundary success minus `none`'s lies above 0; "
+                       f"the largest mean difference is `{best}`'s {out['vs'][best]['final_beyond_diff']:+.3f}"
+                       + (f" (95% CI [{ci[0]:.3f}, {ci[1]:.3f}])." if ci else " (one seed: no interval)."))
+    return out
+
+
 # ---------------------------------------------------------------------------- the verdict
 def compare(rep: dict, learned: str = "rail") -> dict:
     """Is the learned arm above every fixed heuristic beyond the boundary at equal budget?"""
@@ -501,7 +537,7 @@ def format_markdown(rep: dict) -> str:
     seeds = rep["seeds"]
     L += [f"Preset `{rep.get('preset')}`, seeds {seeds}, {len(order)} arms with results"
           + (f" (from `{rep['config_file']}`)" if rep.get("config_file") else "") + ". Every arm gets the same "
-          "budget per step and, per seed, the same task streams; only controller settings differ. "
+          "budget per step and, per seed, the same task streams; only controller and learner settings differ. "
           f"Levels: easy {rep['levels'].get('easy')}, beyond the boundary {rep['levels'].get('beyond')} "
           f"({rep.get('eval_tasks_beyond')} held-out tasks per evaluation beyond, {rep.get('eval_tasks_easy')} easy). "
           "Field definitions: docs/ablation.md.", ""]
@@ -510,13 +546,27 @@ def format_markdown(rep: dict) -> str:
     if vs:
         L += [f"Paired differences `{rep['verdict']['learned']}` − arm over seeds (95% t-interval with ≥ 2 seeds):", "",
               "| arm | Δ final beyond | 95% CI | Δ AUC beyond | 95% CI | seeds |", "|---|---|---|---|---|---|"]
-        for f, d in vs.items():
+        for f in [a for a in rep["arms_order"] if a in vs]:  # report order, also when read back from report.json
+            d = vs[f]
             ci = d["final_beyond_diff_ci"]
             ca = d["auc_beyond_diff_ci"]
             L.append(f"| `{f}` | {_f(d['final_beyond_diff'])} | {'–' if not ci else f'[{ci[0]:.3f}, {ci[1]:.3f}]'} | "
                      f"{_f(d['auc_beyond_diff'])} | {'–' if not ca else f'[{ca[0]:.3f}, {ca[1]:.3f}]'} | "
                      f"{len(d['paired_seeds'])} |")
         L.append("")
+    vn = rep.get("versus_none")
+    if vn:
+        L += ["## Does any arm end higher than plain GRPO (`none`) beyond the boundary?", "", vn["text"], ""]
+        if vn["vs"]:
+            L += ["Paired differences arm − `none` over seeds (95% t-interval with ≥ 2 seeds):", "",
+                  "| arm | Δ final beyond | 95% CI | Δ final easy | 95% CI | seeds |", "|---|---|---|---|---|---|"]
+            for a in [a for a in rep["arms_order"] if a in vn["vs"]]:
+                d = vn["vs"][a]
+                ci, ce = d["final_beyond_diff_ci"], d["final_easy_diff_ci"]
+                L.append(f"| `{a}` | {_f(d['final_beyond_diff'])} | {'–' if not ci else f'[{ci[0]:.3f}, {ci[1]:.3f}]'} | "
+                         f"{_f(d['final_easy_diff'])} | {'–' if not ce else f'[{ce[0]:.3f}, {ce[1]:.3f}]'} | "
+                         f"{len(d['paired_seeds'])} |")
+            L.append("")
     L += ["## Results per arm (means over seeds)", "",
           "| arm | controller | seeds | final easy | final beyond | 95% CI | AUC beyond | budget to match none "
           "| zero-var share | acceptance | interv. share | rollouts/decision | wall s | ctl overhead |",
@@ -577,6 +627,7 @@ def write_report(root: Path, parent=None, figures: bool = True) -> dict:
         from rail.config import ConfigError
         raise ConfigError(f"{root}: no finished run (no <arm>/seed<k>/summary.json); nothing to report")
     rep["verdict"] = compare(rep)
+    rep["versus_none"] = versus_none(rep)
     rep["figures"] = draw_figures(rep, root) if figures else []
     public = json.loads(json.dumps(rep, default=float))
     for a in public["arms"].values():

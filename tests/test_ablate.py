@@ -69,10 +69,10 @@ def test_every_ablation_file_parses_and_every_arm_builds(tmp_path):
                 # the same arm, built by rail.config.build_config from the file's tables alone
                 toml = deep_merge(ab.base, ab.presets.get(preset, {}).get("overrides", {}), ab.arms[job.arm])
                 cfg = build_config(preset, toml, [{"run": {"seed": job.seed}}])
-                assert cfg.controller == job.cfg.controller
+                assert cfg.controller == job.cfg.controller and cfg.learner == job.cfg.learner
                 assert shared_view(cfg) == shared_view(job.cfg)
             ref = shared_view(jobs[0].cfg)
-            assert all(shared_view(j.cfg) == ref for j in jobs), "arms may differ only in [controller]"
+            assert all(shared_view(j.cfg) == ref for j in jobs), "arms may differ only in [controller] and [learner]"
             assert {j.seed for j in jobs} == set(ab.seeds_for(preset))
             # the job file rail ablate writes reads back to the same config
             tables = jobs[-1].cfg.to_dict()
@@ -117,6 +117,19 @@ def test_bad_ablation_file_is_one_clear_line_and_exit_2(tmp_path, capsys, body, 
     for n in needles:
         assert n in err, (n, err)
     assert not out.exists()
+
+
+def test_arms_may_set_the_learner_and_share_everything_else(tmp_path):
+    f = tmp_path / "learners.toml"
+    f.write_text('[ablation]\nname = "learners"\nseeds = 2\n'
+                 '[arms.plain]\ncontroller.name = "ladder"\n'
+                 '[arms.shaped]\ncontroller.name = "ladder"\nlearner.shaping_gamma = 0.1\nlearner.injected_gamma = 0.1\n')
+    jobs = plan_jobs(load_ablation(f), "smoke", tmp_path / "out")
+    by_arm = {(j.arm, j.seed): j.cfg for j in jobs}
+    assert by_arm["plain", 0].learner.shaping_gamma == 0.0 and by_arm["shaped", 1].learner.shaping_gamma == 0.1
+    assert by_arm["shaped", 0].learner.injected_gamma == 0.1
+    assert shared_view(by_arm["plain", 0]) == shared_view(by_arm["shaped", 1])  # budget, env, eval: the same
+    assert by_arm["plain", 0].budget == by_arm["shaped", 0].budget
 
 
 def test_bad_flags_exit_2(tmp_path, capsys):
@@ -178,6 +191,12 @@ def test_report_numbers_from_known_runs(tmp_path):
     assert r["choices"]["rubric_hint@violation"] == {"decisions": 8.0, "rollouts": 32.0}
     assert rep["verdict"]["beats_all_mean"] is True
     assert rep["verdict"]["vs"]["none"]["final_beyond_diff"] == pytest.approx(0.3)
+    vn = rep["versus_none"]["vs"]["rail"]  # per-seed differences 0.2 and 0.4 beyond, 0.1 and 0.1 easy
+    assert vn["final_beyond_diff"] == pytest.approx(0.3) and vn["paired_seeds"] == [0, 1]
+    lo, hi = vn["final_beyond_diff_ci"]
+    assert hi - lo == pytest.approx(2 * stats.t.ppf(0.975, 1) * 0.1, rel=1e-6) and lo < 0
+    assert vn["final_easy_diff_ci"] == pytest.approx([0.1, 0.1])
+    assert rep["versus_none"]["above_ci"] == [] and rep["versus_none"]["text"].startswith("**No**")
     assert rep["arms_order"] == ["none", "rail"]
     assert (root / "report.md").read_text().count("| `rail` | rail |") == 1
 
@@ -265,6 +284,7 @@ def test_smoke_ablation_report(smoke_ablation, capsys):
     assert rep["budget"]["equal"] is True
     md = (out / "report.md").read_text()
     assert "beat the fixed heuristics beyond the boundary" in md and rep["verdict"]["text"] in md
+    assert "higher than plain GRPO" in md and rep["versus_none"]["text"] in md
     assert re.search(r"\*\*(Yes|No|Not shown)\*\*", rep["verdict"]["text"])
     for arm in ab.arms:
         assert f"| `{arm}` |" in md
