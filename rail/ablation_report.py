@@ -265,6 +265,19 @@ def _eval_tasks(run: dict | None, which: str) -> int | None:
     return fams * len(run[which]) * int(c.get("eval", {}).get("tasks_per_level", 0))
 
 
+# ---------------------------------------------------------------------------- paired comparisons
+def _paired(A: dict, B: dict, field: str) -> tuple[float | None, list[float] | None, list]:
+    """Mean of arm A's per-seed ``field`` minus arm B's over their common seeds, its t-interval (None under 2
+    seeds) and the seeds: all arms of a seed share task streams, so the comparison is paired."""
+    seeds = [s for s in A["seeds"] if s in B["seeds"]]
+    d = [A["per_seed"][str(s)][field] - B["per_seed"][str(s)][field] for s in seeds]
+    return _mean(d), (t_interval(d) if len(d) >= 2 else None), seeds
+
+
+def _ci(ci) -> str:
+    return "–" if not ci else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
 # ---------------------------------------------------------------------------- against plain GRPO
 def versus_none(rep: dict) -> dict:
     """Does any intervening arm end higher than ``none`` beyond the boundary? Paired over seeds, like ``compare``."""
@@ -277,13 +290,10 @@ def versus_none(rep: dict) -> dict:
     for a in rep["arms_order"]:
         if a == "none" or arms[a]["final_beyond"] is None:
             continue
-        A = arms[a]
-        paired = [s for s in A["seeds"] if s in N["seeds"]]
-        d = [A["per_seed"][str(s)]["final_beyond"] - N["per_seed"][str(s)]["final_beyond"] for s in paired]
-        de = [A["per_seed"][str(s)]["final_easy"] - N["per_seed"][str(s)]["final_easy"] for s in paired]
-        out["vs"][a] = {"final_beyond_diff": _mean(d), "final_beyond_diff_ci": t_interval(d) if len(d) >= 2 else None,
-                        "final_easy_diff": _mean(de), "final_easy_diff_ci": t_interval(de) if len(de) >= 2 else None,
-                        "paired_seeds": paired}
+        db, db_ci, paired = _paired(arms[a], N, "final_beyond")
+        de, de_ci, _ = _paired(arms[a], N, "final_easy")
+        out["vs"][a] = {"final_beyond_diff": db, "final_beyond_diff_ci": db_ci,
+                        "final_easy_diff": de, "final_easy_diff_ci": de_ci, "paired_seeds": paired}
     out["above_ci"] = [a for a, v in out["vs"].items() if v["final_beyond_diff_ci"] and v["final_beyond_diff_ci"][0] > 0]
     if not out["vs"]:
         out["text"] = "No comparison: `none` is the only finished arm."
@@ -318,13 +328,10 @@ def compare(rep: dict, learned: str = "rail") -> dict:
         return out
     L = arms[learned]
     for f in fixed:
-        F = arms[f]
-        paired = [s for s in L["seeds"] if s in F["seeds"]]
-        d = [L["per_seed"][str(s)]["final_beyond"] - F["per_seed"][str(s)]["final_beyond"] for s in paired]
-        da = [L["per_seed"][str(s)]["auc_beyond"] - F["per_seed"][str(s)]["auc_beyond"] for s in paired]
-        out["vs"][f] = {"final_beyond_diff": _mean(d), "final_beyond_diff_ci": t_interval(d) if len(d) >= 2 else None,
-                        "auc_beyond_diff": _mean(da), "auc_beyond_diff_ci": t_interval(da) if len(da) >= 2 else None,
-                        "paired_seeds": paired}
+        db, db_ci, paired = _paired(L, arms[f], "final_beyond")
+        da, da_ci, _ = _paired(L, arms[f], "auc_beyond")
+        out["vs"][f] = {"final_beyond_diff": db, "final_beyond_diff_ci": db_ci,
+                        "auc_beyond_diff": da, "auc_beyond_diff_ci": da_ci, "paired_seeds": paired}
     vs = out["vs"]
     above = [f for f in fixed if (vs[f]["final_beyond_diff"] or 0.0) > 0]
     sig = [f for f in fixed if vs[f]["final_beyond_diff_ci"] and vs[f]["final_beyond_diff_ci"][0] > 0]
@@ -548,11 +555,8 @@ def format_markdown(rep: dict) -> str:
               "| arm | Δ final beyond | 95% CI | Δ AUC beyond | 95% CI | seeds |", "|---|---|---|---|---|---|"]
         for f in [a for a in rep["arms_order"] if a in vs]:  # report order, also when read back from report.json
             d = vs[f]
-            ci = d["final_beyond_diff_ci"]
-            ca = d["auc_beyond_diff_ci"]
-            L.append(f"| `{f}` | {_f(d['final_beyond_diff'])} | {'–' if not ci else f'[{ci[0]:.3f}, {ci[1]:.3f}]'} | "
-                     f"{_f(d['auc_beyond_diff'])} | {'–' if not ca else f'[{ca[0]:.3f}, {ca[1]:.3f}]'} | "
-                     f"{len(d['paired_seeds'])} |")
+            L.append(f"| `{f}` | {_f(d['final_beyond_diff'])} | {_ci(d['final_beyond_diff_ci'])} | "
+                     f"{_f(d['auc_beyond_diff'])} | {_ci(d['auc_beyond_diff_ci'])} | {len(d['paired_seeds'])} |")
         L.append("")
     vn = rep.get("versus_none")
     if vn:
@@ -562,10 +566,8 @@ def format_markdown(rep: dict) -> str:
                   "| arm | Δ final beyond | 95% CI | Δ final easy | 95% CI | seeds |", "|---|---|---|---|---|---|"]
             for a in [a for a in rep["arms_order"] if a in vn["vs"]]:
                 d = vn["vs"][a]
-                ci, ce = d["final_beyond_diff_ci"], d["final_easy_diff_ci"]
-                L.append(f"| `{a}` | {_f(d['final_beyond_diff'])} | {'–' if not ci else f'[{ci[0]:.3f}, {ci[1]:.3f}]'} | "
-                         f"{_f(d['final_easy_diff'])} | {'–' if not ce else f'[{ce[0]:.3f}, {ce[1]:.3f}]'} | "
-                         f"{len(d['paired_seeds'])} |")
+                L.append(f"| `{a}` | {_f(d['final_beyond_diff'])} | {_ci(d['final_beyond_diff_ci'])} | "
+                         f"{_f(d['final_easy_diff'])} | {_ci(d['final_easy_diff_ci'])} | {len(d['paired_seeds'])} |")
             L.append("")
     L += ["## Results per arm (means over seeds)", "",
           "| arm | controller | seeds | final easy | final beyond | 95% CI | AUC beyond | budget to match none "
