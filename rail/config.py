@@ -62,7 +62,7 @@ class WarmStartConfig:
 
 @dataclass
 class EnvConfig:
-    families: list[str] = F(["lookup", "calc"], "Environment families to train and evaluate on.")
+    families: list[str] = F(["lookup", "calc", "kin"], "Environment families to train and evaluate on (docs/usage.md, Environments).")
     levels: list[int] = F([1, 2, 3, 4], "Levels training tasks are drawn from (uniformly).")
     seed: int = F(0, "Seed of the environments' worlds (knowledge graph); fixed across runs to compare them.")
 

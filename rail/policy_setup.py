@@ -110,13 +110,16 @@ def guided_demonstration(env: Environment, task, renderer: ChatRenderer, rng: np
     """A clean demonstration that follows guidance in its context: half the time a plan listing the first m
     reference actions (m uniform), otherwise a hint with the evidence of rubric item k before the turn that
     achieves it (k uniform). It teaches the built-in model to read the guidance the interventions give; a
-    pretrained instruct model reads hints without this."""
+    pretrained instruct model reads hints without this. A task of level 0 (``kin``'s nonce names, whose
+    knowledge only the guidance gives) gets complete guidance: every call in the plan, the hint before the
+    first turn, so no demonstration shows a guess."""
     from rail.interventions import hint_text, plan_text
 
     n = len(task.action_guide)
+    complete = task.level == 0
     if rng.random() < 0.5:
-        return reference_trajectory(env, task, renderer, plan=plan_text(task, int(rng.integers(1, n + 1))))
-    k = int(rng.integers(n))
+        return reference_trajectory(env, task, renderer, plan=plan_text(task, n if complete else int(rng.integers(1, n + 1))))
+    k = 0 if complete else int(rng.integers(n))
     return reference_trajectory(env, task, renderer, hint=(k, hint_text(task, k)))
 
 
@@ -157,7 +160,7 @@ def demonstration_batches(renderer: ChatRenderer, envs: dict[str, Environment], 
         for k in range(ws.batch_size):
             env = envs[names[k % len(names)]]
             guided = rng.random() < ws.guided_share
-            (task,) = env.sample_tasks(rng, (ws.guided_levels or ws.levels) if guided else ws.levels, 1)
+            task = env.demonstration_task(rng, (ws.guided_levels or ws.levels) if guided else ws.levels, guided)
             if guided:
                 tr = guided_demonstration(env, task, renderer, rng)
             else:

@@ -12,6 +12,7 @@ from rail.envs import (
     ENVIRONMENTS,
     Action,
     CalcEnv,
+    KinEnv,
     LookupEnv,
     RubricItem,
     Step,
@@ -101,8 +102,9 @@ def test_levels_are_drawn_from_the_given_list_and_every_level_generates(name):
     for lv in range(1, 9):
         (task,) = env.sample_tasks(np.random.default_rng(lv), [lv], 1)
         assert task.level == lv and task.family == name
-        assert len(task.rubric) == lv + 1 and len(task.action_guide) == lv + 1
-        assert [i.kind for i in task.rubric] == ["call"] * lv + ["answer"]
+        calls = 3 if name == "kin" else lv  # kin: every level is three lookups (levels differ in knowledge)
+        assert len(task.rubric) == calls + 1 and len(task.action_guide) == calls + 1
+        assert [i.kind for i in task.rubric] == ["call"] * calls + ["answer"]
     with pytest.raises(ValueError):
         env.eval_tasks(9, 1)
     with pytest.raises(ValueError):
@@ -146,6 +148,50 @@ def test_calc_task_format():
     assert [i.evidence for i in t.rubric] == ["3 + 4 is 7", "7 * 2 is 14", "14 - 5 is 9", "the answer is 9"]
     assert [i.result for i in t.rubric[:3]] == ["7", "14", "9"]
     assert t.action_guide[-1] == Action("answer", ("9",))
+
+
+def test_kin_task_format_and_definitions():
+    env = KinEnv(seed=0)
+    defs = env.definitions
+    assert len(defs) == 32 and len(set(defs.values())) == 32  # distinct compositions of the base relations
+    assert all(len(d) == 3 for d in defs.values())
+    assert KinEnv(seed=0).definitions == defs and KinEnv(seed=1).definitions != defs
+    assert env.names(1) == ("grandparent", "sibling", "cousin", "uncle") and len(set(env.names(8))) == 4
+    (task,) = env.sample_tasks(np.random.default_rng(3), [3], 1)
+    name, start = task.prompt.split()[2], task.action_guide[0].args[0]
+    assert name in env.names(3) and task.prompt == f"find the {name} of {start} . which entity is it ?"
+    r1, r2, r3 = defs[name]
+    a = env.world.follow(start, r1)
+    b = env.world.follow(a, r2)
+    assert [x.render() for x in task.action_guide] == [f"lookup({start}, {r1})", f"lookup({a}, {r2})",
+                                                        f"lookup({b}, {r3})", f"answer({env.world.follow(b, r3)})"]
+    # the hint for any call reveals the whole definition; the name itself is no relation the tool knows
+    assert {i.evidence for i in task.rubric[:3]} == {f"{name} is {r1} then {r2} then {r3}"}
+    assert env.execute(task, Action("lookup", (start, name)))[1] is False
+    # the world is the lookup family's graph of the same seed
+    assert env.world.follow(start, r1) == LookupEnv(seed=0).follow(start, r1)
+
+
+def test_kin_levels_differ_in_names_only():
+    env = KinEnv(seed=0)
+    seen = {lv: {t.prompt.split()[2] for t in env.eval_tasks(lv, 48)} for lv in (1, 2, 3, 4)}
+    for lv, names in seen.items():
+        assert names == set(env.names(lv))
+    assert not seen[1] & seen[3] and not seen[2] & seen[4]
+    assert {len(t.action_guide) for lv in (1, 4) for t in env.eval_tasks(lv, 20)} == {4}
+
+
+def test_kin_guided_demonstrations_use_nonce_names_with_fresh_definitions():
+    from rail.envs.kin import NAMES, NONCE_NAMES
+
+    env, rng = KinEnv(seed=0), np.random.default_rng(0)
+    tasks = [env.demonstration_task(rng, [1, 2], guided=True) for _ in range(50)]
+    assert all(t.level == 0 and t.prompt.split()[2] in NONCE_NAMES for t in tasks)
+    assert len({tuple(a.args[1] for a in t.action_guide[:3]) for t in tasks}) > 30  # drawn afresh each time
+    assert all(run(env, t, guide_texts(t))[-1].done and env.reward(t, run(env, t, guide_texts(t))) == 1.0
+               for t in tasks)
+    plain = [env.demonstration_task(rng, [1, 2], guided=False) for _ in range(20)]
+    assert {t.level for t in plain} == {1, 2} and all(t.prompt.split()[2] in NAMES[:8] for t in plain)
 
 
 def test_calc_values_stay_in_range():

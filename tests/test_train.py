@@ -118,7 +118,7 @@ def test_smoke_run_trains_and_writes_everything(tmp_path, cache_dir):
     assert s["budget"]["unit"] == "rollouts" and s["budget"]["per_step"] == 16
     assert s["budget"]["spent"]["base"] == 48 and s["budget"]["spent"]["intervention"] == 0
     for k in ("initial", "final"):
-        assert set(s["eval"][k]) == {"lookup", "calc"}
+        assert set(s["eval"][k]) == {"lookup", "calc", "kin"}
         assert set(s["eval"][k]["lookup"]) == {"1", "2", "3"}
     assert [h["step"] for h in s["eval"]["history"]] == [0, 2, 3]
     assert [h["budget_spent"] for h in s["eval"]["history"]] == [0, 32, 48]
@@ -158,8 +158,9 @@ def test_tracking_failure_does_not_stop_training(tmp_path, cache_dir):
 def test_nan_reward_is_a_clear_error(tmp_path, cache_dir):
     cfg = smoke(tmp_path, cache_dir)
     trainer, _ = start_run(cfg, show_progress=False)
-    trainer.envs["calc"].reward = lambda task, steps: float("nan")
-    with pytest.raises(RunError, match="reward nan.*calc"):
+    for env in trainer.envs.values():  # whichever family the step draws first
+        env.reward = lambda task, steps: float("nan")
+    with pytest.raises(RunError, match="reward nan.*(lookup|calc|kin)"):
         trainer.step(1)
 
 
@@ -289,7 +290,7 @@ def test_eval_checkpoint_cli(tmp_path, cache_dir):
     r = cli("eval", "--checkpoint", str(out), "--json", "--tasks-per-level", "2")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
-    assert set(res) == {"lookup", "calc"} and all(0.0 <= v <= 1.0 for d in res.values() for v in d.values())
+    assert set(res) == {"lookup", "calc", "kin"} and all(0.0 <= v <= 1.0 for d in res.values() for v in d.values())
 
 
 # ---------------------------------------------------------------------------- architecture

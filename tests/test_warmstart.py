@@ -8,16 +8,16 @@ from policy.tokenizer import ChatRenderer, build_word_tokenizer
 from rail.envs import make_env
 from rail.policy_setup import demonstration, reference_trajectory, vocabulary
 
-ALTS = {"lookup": ["mother", "father", "boss", "friend"], "calc": ["+", "-", "*"]}
+ALTS = {"lookup": ["mother", "father", "boss", "friend"], "calc": ["+", "-", "*"]}  # kin calls lookup too
 
 
 @pytest.fixture(scope="module")
 def setup():
-    envs = {f: make_env(f, 0) for f in ("lookup", "calc")}
+    envs = {f: make_env(f, 0) for f in ("lookup", "calc", "kin")}
     return envs, ChatRenderer(build_word_tokenizer(vocabulary(envs)))
 
 
-@pytest.mark.parametrize("family", ["lookup", "calc"])
+@pytest.mark.parametrize("family", ["lookup", "calc", "kin"])
 def test_reference_trajectory_solves_and_trains_only_actions(setup, family):
     envs, r = setup
     (task,) = envs[family].sample_tasks(np.random.default_rng(0), [3], 1)
@@ -28,7 +28,7 @@ def test_reference_trajectory_solves_and_trains_only_actions(setup, family):
     assert trained.replace(" ", "") == "".join(a.render() for a in task.action_guide).replace(" ", "")
 
 
-@pytest.mark.parametrize("family", ["lookup", "calc"])
+@pytest.mark.parametrize("family", ["lookup", "calc", "kin"])
 def test_imperfect_demonstrator_errs_once_then_stays_consistent(setup, family):
     envs, r = setup
     rng = np.random.default_rng(1)
@@ -49,3 +49,26 @@ def test_imperfect_demonstrator_errs_once_then_stays_consistent(setup, family):
             assert s.action.args[0] == obs[t - 1]
         assert tr.rubric.first_violated == diff[0]
     assert checked >= 10
+
+
+def test_guided_demonstrations_of_a_knowledge_family_teach_no_level():
+    """kin's levels differ in knowledge: a guided demonstration about a level's name would teach the very
+    definition an intervention is meant to reveal, so its guided demonstrations ask about nonce names (level 0)
+    with complete guidance; lookup's guided demonstrations still come from every guided level."""
+    from rail.config import build_config
+    from rail.policy_setup import demonstration_batches
+
+    envs = {f: make_env(f, 0) for f in ("lookup", "kin")}
+    r = ChatRenderer(build_word_tokenizer(vocabulary(envs)))
+    cfg = build_config("default", sets=[{"env": {"families": ["lookup", "kin"]}},
+                                        {"warmstart": {"steps": 6, "guided_share": 1.0}}])
+    levels = {"lookup": set(), "kin": set()}
+    for batch in demonstration_batches(r, envs, cfg):
+        for tr in batch:
+            levels[tr.family].add(tr.level)
+            assert tr.reward == 1.0
+            if tr.family == "kin":  # the guidance comes before the first call, so no call is a guess
+                context = r.decode(tr.prompt_ids).split("which entity is it ?")[-1]
+                assert context.count("then") == 2 or context.count("lookup") == 3, context
+    assert levels["kin"] == {0}
+    assert levels["lookup"] == {1, 2, 3, 4}

@@ -14,9 +14,10 @@ from rail.envs.base import (
     rubric_status,
 )
 from rail.envs.calc import CalcEnv
+from rail.envs.kin import KinEnv
 from rail.envs.lookup import LookupEnv
 
-ENVIRONMENTS = {"lookup": LookupEnv, "calc": CalcEnv}
+ENVIRONMENTS = {"lookup": LookupEnv, "calc": CalcEnv, "kin": KinEnv}
 
 
 def make_env(name: str, seed: int) -> Environment:
@@ -27,6 +28,6 @@ def make_env(name: str, seed: int) -> Environment:
 
 
 __all__ = [
-    "Action", "CalcEnv", "ENVIRONMENTS", "Environment", "LookupEnv", "RubricItem", "RubricStatus", "Step",
+    "Action", "CalcEnv", "ENVIRONMENTS", "KinEnv", "Environment", "LookupEnv", "RubricItem", "RubricStatus", "Step",
     "Task", "ToolRunner", "make_env", "parse_action", "rubric_status",
 ]

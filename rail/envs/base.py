@@ -146,6 +146,9 @@ class Environment(Protocol):
     def sample_tasks(self, rng: np.random.Generator, levels: Sequence[int], n: int) -> list[Task]:
         """``n`` training tasks, levels drawn uniformly from ``levels``; never a held-out task."""
 
+    def demonstration_task(self, rng: np.random.Generator, levels: Sequence[int], guided: bool) -> Task:
+        """One task for a warm-start demonstration of ``levels`` (``guided``: one that follows guidance)."""
+
     def eval_tasks(self, level: int, n: int) -> list[Task]:
         """The first ``n`` held-out tasks of ``level``; the same list for the same environment seed."""
 
@@ -238,6 +241,13 @@ class ProceduralEnv:
             if not is_held_out(task.id):
                 out.append(task)
         return out
+
+    def demonstration_task(self, rng: np.random.Generator, levels: Sequence[int], guided: bool) -> Task:
+        """One task for a warm-start demonstration (``guided``: one that follows guidance in its context).
+        Default: a training task of ``levels``. A family whose guidance reveals knowledge its levels need
+        (``kin``) returns a task whose knowledge does not carry over to any level instead."""
+        (task,) = self.sample_tasks(rng, levels, 1)
+        return task
 
     def eval_tasks(self, level: int, n: int) -> list[Task]:
         """The first ``n`` distinct held-out tasks of ``level`` from a fixed stream (seed, level).
