@@ -19,13 +19,12 @@ import time
 import numpy as np
 import torch
 
-from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
-from policy.learner import GRPOLearner, LearnerSettings
-from policy.tokenizer import ChatRenderer
+from _probe import add_common_args, setup
+from policy.engine import RolloutRequest
+from policy.learner import GRPOLearner
 from rail import interventions as ivs
-from rail.config import build_config, parse_set
-from rail.envs import ToolRunner, make_env, rubric_status
-from rail.policy_setup import make_policy
+from rail.envs import ToolRunner, rubric_status
+from rail.train import learner_settings
 
 
 def main() -> None:
@@ -39,25 +38,10 @@ def main() -> None:
     ap.add_argument("--hinted", type=int, default=4, help="intervention rollouts per group without a success")
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--eval-tasks", type=int, default=48)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
+    add_common_args(ap)
     a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    cfg = build_config("default", sets=[{"tracking": {"uri": ""}}] + [parse_set(s) for s in a.sets])
-    envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
-    model, tok, info = make_policy(cfg, envs)
-    renderer = ChatRenderer(tok)
-    engine = TransformersEngine(model, renderer, batch_size=cfg.rollout.batch_size)
-    params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_tokens_per_turn,
-                            cfg.rollout.max_turns)
-    L = cfg.learner
-    learner = GRPOLearner(model, LearnerSettings(
-        lr=L.lr, schedule="constant", epochs=L.epochs, minibatch_size=L.minibatch_size, eps_low=L.eps_low,
-        eps_high=L.eps_high, loss_agg=L.loss_agg, adv_scale=L.adv_scale, grad_clip=L.grad_clip,
-        drop_zero_variance=L.drop_zero_variance, mask_all_tools_failed=L.mask_all_tools_failed,
-        shift_threshold=L.shift_threshold, shaping_gamma=L.shaping_gamma, injected_gamma=L.injected_gamma,
-        temperature=cfg.rollout.temperature, max_tokens=cfg.max_rollout_tokens), total_steps=a.iters, pad_id=renderer.pad)
+    cfg, envs, model, renderer, engine, params, info = setup(a)
+    learner = GRPOLearner(model, learner_settings(cfg, schedule="constant"), total_steps=a.iters, pad_id=renderer.pad)
     env, runner = envs[a.family], ToolRunner(envs[a.family])
     held_out = env.eval_tasks(a.level, a.eval_tasks)
     iv = ivs.Intervention.parse(a.how, a.hinted)

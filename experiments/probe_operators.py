@@ -19,15 +19,13 @@ import time
 import numpy as np
 import torch
 
+from _probe import add_common_args, setup
 from policy import grpo
-from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
+from policy.engine import RolloutRequest
 from policy.learner import pad_training_views
 from policy.packing import forward_logits
-from policy.tokenizer import ChatRenderer
 from rail import interventions as ivs
-from rail.config import build_config, parse_set
-from rail.envs import ToolRunner, make_env, rubric_status
-from rail.policy_setup import make_policy
+from rail.envs import ToolRunner, rubric_status
 
 OPERATORS = ("resample@violation", "rubric_hint@violation", "guided_step@violation", "action_guide@start",
              "action_guide@violation")
@@ -38,20 +36,11 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=24, help="tasks per family and level")
     ap.add_argument("--group", type=int, default=8, help="base rollouts per task, and rollouts per operator")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2, 3, 4])
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
+    add_common_args(ap)
     a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    cfg = build_config("default", sets=[{"tracking": {"uri": ""}}] + [parse_set(s) for s in a.sets])
-    envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
     t0 = time.perf_counter()
-    model, tok, info = make_policy(cfg, envs)
+    cfg, envs, model, renderer, engine, params, info = setup(a)
     t_ws = time.perf_counter() - t0
-    renderer = ChatRenderer(tok)
-    engine = TransformersEngine(model, renderer, batch_size=cfg.rollout.batch_size)
-    params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_tokens_per_turn,
-                            cfg.rollout.max_turns)
     rng = np.random.default_rng([cfg.run.seed, 5])
     rows = []
     for level in a.levels:

@@ -16,6 +16,7 @@ what the uninterrupted one would have.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -45,6 +46,20 @@ from rail.policy_setup import make_policy
 from rail.tracking import JsonlTracker, MlflowTracker, MultiTracker, NullTracker
 
 log = logging.getLogger("rail")
+
+
+def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
+    """The GRPO learner's settings from ``[learner]`` and the rollout temperature and length (``overrides``
+    replace fields, e.g. ``schedule='constant'`` for a loop without a fixed number of steps)."""
+    L = cfg.learner
+    s = LearnerSettings(lr=L.lr, schedule=L.schedule, warmup_steps=L.warmup_steps, weight_decay=L.weight_decay,
+                        epochs=L.epochs, minibatch_size=L.minibatch_size, eps_low=L.eps_low, eps_high=L.eps_high,
+                        loss_agg=L.loss_agg, adv_scale=L.adv_scale, kl_coef=L.kl_coef, grad_clip=L.grad_clip,
+                        drop_zero_variance=L.drop_zero_variance, mask_all_tools_failed=L.mask_all_tools_failed,
+                        entropy_coef=L.entropy_coef, shift_threshold=L.shift_threshold,
+                        shaping_gamma=L.shaping_gamma, injected_gamma=L.injected_gamma,
+                        temperature=cfg.rollout.temperature, max_tokens=cfg.max_rollout_tokens)
+    return dataclasses.replace(s, **overrides)
 
 
 class RunError(RuntimeError):
@@ -93,17 +108,8 @@ class Trainer:
             self.model, self.tokenizer, self.policy_info = make_policy(cfg, self.envs, self._ws_progress())
         self.renderer = ChatRenderer(self.tokenizer)
         self.engine = TransformersEngine(self.model, self.renderer, batch_size=cfg.rollout.batch_size)
-        L = cfg.learner
-        self.learner = GRPOLearner(
-            self.model,
-            LearnerSettings(lr=L.lr, schedule=L.schedule, warmup_steps=L.warmup_steps, weight_decay=L.weight_decay,
-                            epochs=L.epochs, minibatch_size=L.minibatch_size, eps_low=L.eps_low,
-                            eps_high=L.eps_high, loss_agg=L.loss_agg, adv_scale=L.adv_scale, kl_coef=L.kl_coef,
-                            grad_clip=L.grad_clip, drop_zero_variance=L.drop_zero_variance,
-                            mask_all_tools_failed=L.mask_all_tools_failed, entropy_coef=L.entropy_coef,
-                            shift_threshold=L.shift_threshold, shaping_gamma=L.shaping_gamma, injected_gamma=L.injected_gamma,
-                            temperature=cfg.rollout.temperature, max_tokens=cfg.max_rollout_tokens),
-            total_steps=cfg.run.steps, pad_id=self.renderer.pad)
+        self.learner = GRPOLearner(self.model, learner_settings(cfg), total_steps=cfg.run.steps,
+                                   pad_id=self.renderer.pad)
         self.controller = CONTROLLERS[cfg.controller.name](config=cfg, out=out)
         self.ledger = BudgetLedger(cfg.budget.unit, cfg.step_budget(), cfg.budget.total)
         if ckpt is not None:

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from rail.envs.base import ProceduralEnv, RubricItem, Step, Task, Action, words
+from rail.envs.base import Action, ProceduralEnv, RubricItem, Step, Task, words
 from rail.envs.lookup import ERRORS, RELATIONS, LookupEnv
 
 #: The derived relation names, four per level (tier k = names[4(k-1) : 4k]). Only names: what each one means
@@ -79,17 +79,8 @@ class KinEnv(ProceduralEnv):
         key = f"{self.name}:{start}:{name}"
         prompt = f"find the {name} of {start} . which entity is it ?"
         evidence = f"{name} is " + " then ".join(definition)  # what a hint reveals: the whole definition
-        rubric, guide, cur = [], [], start
-        for r in definition:
-            nxt = self.world.follow(cur, r)
-            act = Action("lookup", (cur, r))
-            rubric.append(RubricItem(f"{act.render()} -> {nxt}", "call", act, nxt, evidence))
-            guide.append(act)
-            cur = nxt
-        final = Action("answer", (cur,))
-        rubric.append(RubricItem(final.render(), "answer", final, None, f"the answer is {cur}"))
-        guide.append(final)
-        return Task(key, self.name, level, prompt, cur, tuple(rubric), tuple(guide))
+        rubric, guide, answer = self.world.chain(start, definition, evidence)
+        return Task(key, self.name, level, prompt, answer, rubric, guide)
 
     def _draw(self, rng: np.random.Generator, level: int) -> Task:
         start = self.world.entities[int(rng.integers(len(self.world.entities)))]

@@ -60,22 +60,28 @@ class LookupEnv(ProceduralEnv):
         return self.entities[self._table[self._index[entity], RELATIONS.index(relation)]]
 
     # ----------------------------------------------------------------- tasks
-    def _task(self, start: str, rels: Sequence[str]) -> Task:
-        """Build the task for a start entity and a relation chain: prompt, rubric, action guide."""
-        key = f"{self.name}:{start}:{'.'.join(rels)}"
-        prompt = f"start at {start} , follow {rels[0]}" + "".join(f" , then {r}" for r in rels[1:])
-        prompt += " . which entity do you reach ?"
+    def chain(self, start: str, rels: Sequence[str], evidence: str | None = None):
+        """``(rubric, action guide, answer)`` of following ``rels`` from ``start``: one ``lookup`` item per hop,
+        then the answer. Each hop's evidence is ``evidence`` if given, else the hop's own fact."""
         rubric, guide, cur = [], [], start
         for r in rels:
             nxt = self.follow(cur, r)
             act = Action("lookup", (cur, r))
-            rubric.append(RubricItem(f"{act.render()} -> {nxt}", "call", act, nxt, f"the {r} of {cur} is {nxt}"))
+            rubric.append(RubricItem(f"{act.render()} -> {nxt}", "call", act, nxt, evidence or f"the {r} of {cur} is {nxt}"))
             guide.append(act)
             cur = nxt
         final = Action("answer", (cur,))
         rubric.append(RubricItem(f"{final.render()}", "answer", final, None, f"the answer is {cur}"))
         guide.append(final)
-        return Task(key, self.name, len(rels), prompt, cur, tuple(rubric), tuple(guide))
+        return tuple(rubric), tuple(guide), cur
+
+    def _task(self, start: str, rels: Sequence[str]) -> Task:
+        """Build the task for a start entity and a relation chain: prompt, rubric, action guide."""
+        key = f"{self.name}:{start}:{'.'.join(rels)}"
+        prompt = f"start at {start} , follow {rels[0]}" + "".join(f" , then {r}" for r in rels[1:])
+        prompt += " . which entity do you reach ?"
+        rubric, guide, answer = self.chain(start, rels)
+        return Task(key, self.name, len(rels), prompt, answer, rubric, guide)
 
     def _draw(self, rng: np.random.Generator, level: int) -> Task:
         start = self.entities[int(rng.integers(len(self.entities)))]
