@@ -8,6 +8,7 @@ guidance has been stripped (``Trajectory.training_view``). Departures from the p
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import re
 import warnings
@@ -43,6 +44,7 @@ class LearnerSettings:
     shift_threshold: float = float("inf")  # drop intervened trajectories whose shift measure exceeds this
     shaping_gamma: float = 0.0  # LUFFY policy shaping on guided tokens (0: off, the ordinary clipped ratio)
     injected_gamma: float = 0.0  # train injected reference steps as expert tokens, f = pi/(pi+gamma) (0: context only)
+    guided_replay: bool = False  # also train each trained guided rollout in its guided context (on-policy there)
     temperature: float = 1.0  # logits are divided by the rollout temperature, as the behaviour's were
     max_tokens: int = 96  # Dr.GRPO's constant normaliser: the most tokens a rollout can generate
 
@@ -127,7 +129,7 @@ class GRPOLearner:
             raise ValueError(f"unknown group composition {compose!r}; one of {', '.join(COMPOSITIONS)}")
         stats = {"groups": 0.0, "zero_variance_groups": 0.0, "zero_variance_share": 0.0, "all_tools_failed": 0.0,
                  "kept": 0.0, "probes": 0.0, "replaced": 0.0, "shift_measured": 0.0, "shift_rejected": 0.0,
-                 "shift_accepted": 0.0, "shift_mean": 0.0, "shift_max": 0.0}
+                 "shift_accepted": 0.0, "shift_mean": 0.0, "shift_max": 0.0, "guided_replay": 0.0}
         for t in trajs:
             t.status, t.shift = "", None
         pool = []
@@ -188,7 +190,14 @@ class GRPOLearner:
             "all_tools_failed": float(all_failed.sum()),
             "kept": float(len(idx)),
         })
-        return PreparedBatch([pool[i] for i in idx], [float(adv[i]) for i in idx], stats)
+        kept, advs = [pool[i] for i in idx], [float(adv[i]) for i in idx]
+        if self.s.guided_replay:  # the guided policy's own on-policy sample, same advantage, guidance kept
+            replays = [(dataclasses.replace(t, train_prompt_ids=list(t.prompt_ids), guidance=None, keep_guidance=True,
+                                            status="guided_replay"), a) for t, a in zip(kept, advs) if t.context_shifted]
+            kept += [r for r, _ in replays]
+            advs += [a for _, a in replays]
+            stats["guided_replay"] = float(len(replays))
+        return PreparedBatch(kept, advs, stats)
 
     @torch.no_grad()
     def shift_of(self, trajs: list[Trajectory]) -> list[float]:

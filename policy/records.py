@@ -70,6 +70,7 @@ class Trajectory:
     guidance: Guidance | None = None
     shift: float | None = None  # shift measure (mean log-ratio guided vs stripped context), if measured
     status: str = ""  # what the learner did with it: trained, probe, replaced, shift_rejected, zero_variance, ...
+    keep_guidance: bool = False  # train in the context it was sampled in, guidance included (a guided replay)
 
     @property
     def n_turns(self) -> int:
@@ -95,7 +96,7 @@ class Trajectory:
         flags = [0] * len(self.train_prompt_ids)
         shifted = self.context_shifted
         for o, t in zip(self.origin, self.turn):
-            if o == Origin.GUIDANCE:
+            if o == Origin.GUIDANCE and not self.keep_guidance:
                 continue
             flags.append(1 if shifted and o == Origin.POLICY and t >= self.prefix_turns else 0)
         return flags
@@ -103,14 +104,14 @@ class Trajectory:
     def training_view(self) -> tuple[list[int], list[int], list[float], list[int], list[int]]:
         """(input ids, loss mask, behaviour log-probs, turn, origin) of the sequence the learner trains on.
 
-        The context is ``train_prompt_ids`` followed by the response with guidance tokens removed; only
-        policy tokens carry a loss mask of 1.
+        The context is ``train_prompt_ids`` followed by the response with guidance tokens removed (kept, as
+        untrained context, with ``keep_guidance``); only policy tokens carry a loss mask of 1.
         """
         ids = list(self.train_prompt_ids)
         n = len(ids)
         mask, lps, turns, origin = [0] * n, [0.0] * n, [-1] * n, [int(Origin.TOOL)] * n
         for tok, o, lp, t in zip(self.ids, self.origin, self.logprobs, self.turn):
-            if o == Origin.GUIDANCE:
+            if o == Origin.GUIDANCE and not self.keep_guidance:
                 continue
             ids.append(tok)
             mask.append(1 if o == Origin.POLICY else 0)

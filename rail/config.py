@@ -105,6 +105,7 @@ class LearnerConfig:
     entropy_coef: float = F(0.0, "TAO-RL entropy shaping c in A*(1 + c*z) on the turn after a tool result.")
     shift_threshold: float = F(1.0, "Shift filter: drop an intervened trajectory whose mean log-ratio (guided vs stripped context, policy tokens sampled under guidance) exceeds this.")
     shaping_gamma: float = F(0.0, "LUFFY policy shaping pi/(pi+gamma) on tokens sampled under guidance (0: off, the clipped ratio).")
+    guided_replay: bool = F(False, "Also train every trained rollout sampled under a hint or plan in the context it was sampled in (guidance kept: on-policy there, the same advantage), beside its stripped copy, so the policy keeps reading guidance while it learns from it.")
     injected_gamma: float = F(0.0, "Train the reference step a guided_step intervention wrote into a trajectory as an expert token (LUFFY's off-policy shaping pi/(pi+gamma), positive advantages only); 0: context only, never trained.")
 
 

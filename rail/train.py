@@ -58,7 +58,7 @@ def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
                         drop_zero_variance=L.drop_zero_variance, mask_all_tools_failed=L.mask_all_tools_failed,
                         entropy_coef=L.entropy_coef, shift_threshold=L.shift_threshold,
                         shaping_gamma=L.shaping_gamma, injected_gamma=L.injected_gamma,
-                        temperature=cfg.rollout.temperature, max_tokens=cfg.max_rollout_tokens)
+                        guided_replay=L.guided_replay, temperature=cfg.rollout.temperature, max_tokens=cfg.max_rollout_tokens)
     return dataclasses.replace(s, **overrides)
 
 
@@ -386,6 +386,7 @@ class Trainer:
             "shift/rejected": batch.stats["shift_rejected"],
             "shift/mean": batch.stats["shift_mean"],
             "shift/max": batch.stats["shift_max"],
+            "shift/replayed": batch.stats["guided_replay"],
             "time/generate_s": t_gen, "time/score_s": t_score, "time/controller_s": t_ctl, "time/update_s": t_upd,
         }
         m.update(self._intervention_metrics(groups, outcomes, budget))

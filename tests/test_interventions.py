@@ -228,6 +228,45 @@ def test_shift_filter_drops_trajectories_over_the_threshold(env, tok, model, tas
     assert all(t.shift is None for t in base)  # on-policy rollouts are not measured
 
 
+def test_guided_replay_trains_each_guided_rollout_again_in_its_guided_context(env, tok, model, task):
+    r = ChatRenderer(tok)
+    eng = TransformersEngine(model, r)
+    src = failed_at_second_call(env, task, r)
+    src.group = 0
+    base = eng.generate(plan_for(Intervention("resample", "start", 4), src, task, env).requests,
+                        SamplingParams(1.0, 1.0, 12, 8), seed=2)
+    for t in base:
+        t.intervention, t.reward = None, 0.0
+    guided = eng.generate(plan_for(Intervention("rubric_hint", "violation", 4), src, task, env).requests,
+                          SamplingParams(1.0, 1.0, 12, 8), seed=3)
+    for k, t in enumerate(guided):
+        t.reward = float(k % 2)
+    hint = r.encode_turn(ivs.hint_text(task, src.rubric.first_violated))
+    plain = _learner(model, tok).prepare(base + guided)
+    assert not any(t.status == "guided_replay" for t in plain.trajectories)
+    batch = _learner(model, tok, guided_replay=True).prepare(base + guided)
+    adv = {id(t): a for t, a in zip(batch.trajectories, batch.advantages)}
+    trained_guided = [t for t in guided if t.status == "trained"]
+    replays = [(t, a) for t, a in zip(batch.trajectories, batch.advantages) if t.status == "guided_replay"]
+    assert trained_guided and len(replays) == len(trained_guided) == batch.stats["guided_replay"]
+    assert len(batch.trajectories) == len(plain.trajectories) + len(replays)
+
+    def contains(seq, sub):
+        return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+    for (copy, a), orig in zip(replays, trained_guided):
+        assert a == adv[id(orig)]  # the same advantage; the group baseline is the one computed without copies
+        ids, mask, lps, turns, _ = copy.training_view()
+        assert contains(ids, hint) and not contains(orig.training_view()[0], hint)  # guidance kept / stripped
+        assert len(ids) == len(copy.prompt_ids) + len(copy.ids) and not any(copy.offpolicy_flags())
+        assert sum(mask) == sum(orig.training_view()[1])  # the same policy tokens are trained
+        with torch.no_grad():  # on-policy there: the recorded behaviour log-probs are the guided context's
+            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+        own = [k for k in range(1, len(ids)) if mask[k] and turns[k] >= copy.prefix_turns]  # not the copied prefix
+        assert own and max(abs(float(lp[k - 1]) - lps[k]) for k in own) < 1e-3
+
+
 def test_mix_and_replace_composition_and_probes(env, tok, model, task):
     r = ChatRenderer(tok)
     eng = TransformersEngine(model, r)
