@@ -202,16 +202,21 @@ def test_learner_shift_and_ratio_match_a_hand_forward_pass(env, tok, model, task
         assert math.exp(-by_hand) == pytest.approx(math.exp(sum(math.log(x) for x in ratio) / len(ratio)), rel=1e-4)
 
 
-def test_shift_filter_drops_trajectories_over_the_threshold(env, tok, model, task):
-    r = ChatRenderer(tok)
-    eng = TransformersEngine(model, r)
-    src = failed_at_second_call(env, task, r)
+def failed_base_group(eng, env, task, renderer):
+    """A source trajectory that failed at its second call, and four base rollouts of its group, all failed."""
+    src = failed_at_second_call(env, task, renderer)
     src.group = 0
     base = eng.generate(plan_for(Intervention("resample", "start", 4), src, task, env).requests,
                         SamplingParams(1.0, 1.0, 12, 8), seed=2)
     for t in base:
-        t.intervention = None
-        t.reward = 0.0
+        t.intervention, t.reward = None, 0.0
+    return src, base
+
+
+def test_shift_filter_drops_trajectories_over_the_threshold(env, tok, model, task):
+    r = ChatRenderer(tok)
+    eng = TransformersEngine(model, r)
+    src, base = failed_base_group(eng, env, task, r)
     guided = eng.generate(plan_for(Intervention("action_guide", "start", 4, plan_len=4), src, task, env).requests,
                           SamplingParams(1.0, 1.0, 12, 8), seed=3)
     for k, t in enumerate(guided):
@@ -231,12 +236,7 @@ def test_shift_filter_drops_trajectories_over_the_threshold(env, tok, model, tas
 def test_guided_replay_trains_each_guided_rollout_again_in_its_guided_context(env, tok, model, task):
     r = ChatRenderer(tok)
     eng = TransformersEngine(model, r)
-    src = failed_at_second_call(env, task, r)
-    src.group = 0
-    base = eng.generate(plan_for(Intervention("resample", "start", 4), src, task, env).requests,
-                        SamplingParams(1.0, 1.0, 12, 8), seed=2)
-    for t in base:
-        t.intervention, t.reward = None, 0.0
+    src, base = failed_base_group(eng, env, task, r)
     guided = eng.generate(plan_for(Intervention("rubric_hint", "violation", 4), src, task, env).requests,
                           SamplingParams(1.0, 1.0, 12, 8), seed=3)
     for k, t in enumerate(guided):

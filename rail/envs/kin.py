@@ -60,6 +60,7 @@ class KinEnv(ProceduralEnv):
     name = "kin"
     tool = "lookup"
     levels = (1, 2, 3, 4, 5, 6, 7, 8)
+
     def __init__(self, seed: int = 0, n_entities: int = 240):
         self.seed = seed
         self.world = LookupEnv(seed=seed, n_entities=n_entities)
