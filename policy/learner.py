@@ -192,8 +192,8 @@ class GRPOLearner:
         })
         kept, advs = [pool[i] for i in idx], [float(adv[i]) for i in idx]
         if self.s.guided_replay:  # the guided policy's own on-policy sample, same advantage, guidance kept
-            replays = [(dataclasses.replace(t, train_prompt_ids=list(t.prompt_ids), guidance=None, keep_guidance=True,
-                                            status="guided_replay"), a) for t, a in zip(kept, advs) if t.context_shifted]
+            replays = [(dataclasses.replace(t, keep_guidance=True, status="guided_replay"), a)
+                       for t, a in zip(kept, advs) if t.context_shifted]
             kept += [r for r, _ in replays]
             advs += [a for _, a in replays]
             stats["guided_replay"] = float(len(replays))

@@ -82,10 +82,16 @@ class Trajectory:
         return len(calls), sum(1 for s in calls if not s.ok)
 
     @property
+    def context_prompt_ids(self) -> list[int]:
+        """The prompt the learner trains in: without guidance, or as sampled with ``keep_guidance``."""
+        return self.prompt_ids if self.keep_guidance else self.train_prompt_ids
+
+    @property
     def context_shifted(self) -> bool:
-        """Whether some of its policy tokens were sampled in a context that training strips (a plan or a hint)."""
+        """Whether some of its policy tokens were sampled in a context that training strips (a plan or a hint);
+        never for a guided replay, which trains in the context it was sampled in."""
         g = self.guidance
-        return g is not None and (g.plan is not None or g.hint is not None)
+        return not self.keep_guidance and g is not None and (g.plan is not None or g.hint is not None)
 
     def offpolicy_flags(self) -> list[int]:
         """Aligned with :meth:`training_view`'s ids: 1 for policy tokens sampled under stripped guidance.
@@ -93,7 +99,7 @@ class Trajectory:
         Those are the tokens generated in this rollout (turn >= ``prefix_turns``) when a plan or a hint was in
         the context; a copied prefix and the continuation after an injected step are on-policy.
         """
-        flags = [0] * len(self.train_prompt_ids)
+        flags = [0] * len(self.context_prompt_ids)
         shifted = self.context_shifted
         for o, t in zip(self.origin, self.turn):
             if o == Origin.GUIDANCE and not self.keep_guidance:
@@ -104,10 +110,10 @@ class Trajectory:
     def training_view(self) -> tuple[list[int], list[int], list[float], list[int], list[int]]:
         """(input ids, loss mask, behaviour log-probs, turn, origin) of the sequence the learner trains on.
 
-        The context is ``train_prompt_ids`` followed by the response with guidance tokens removed (kept, as
+        The context is ``context_prompt_ids`` followed by the response with guidance tokens removed (kept, as
         untrained context, with ``keep_guidance``); only policy tokens carry a loss mask of 1.
         """
-        ids = list(self.train_prompt_ids)
+        ids = list(self.context_prompt_ids)
         n = len(ids)
         mask, lps, turns, origin = [0] * n, [0.0] * n, [-1] * n, [int(Origin.TOOL)] * n
         for tok, o, lp, t in zip(self.ids, self.origin, self.logprobs, self.turn):

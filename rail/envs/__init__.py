@@ -28,6 +28,6 @@ def make_env(name: str, seed: int) -> Environment:
 
 
 __all__ = [
-    "Action", "CalcEnv", "ENVIRONMENTS", "KinEnv", "Environment", "LookupEnv", "RubricItem", "RubricStatus", "Step",
+    "Action", "CalcEnv", "ENVIRONMENTS", "Environment", "KinEnv", "LookupEnv", "RubricItem", "RubricStatus", "Step",
     "Task", "ToolRunner", "make_env", "parse_action", "rubric_status",
 ]

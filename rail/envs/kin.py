@@ -83,8 +83,11 @@ class KinEnv(ProceduralEnv):
         rubric, guide, answer = self.world.chain(start, definition, evidence)
         return Task(key, self.name, level, prompt, answer, rubric, guide)
 
+    def _start(self, rng: np.random.Generator) -> str:
+        return self.world.entities[int(rng.integers(len(self.world.entities)))]
+
     def _draw(self, rng: np.random.Generator, level: int) -> Task:
-        start = self.world.entities[int(rng.integers(len(self.world.entities)))]
+        start = self._start(rng)
         names = self.names(level)
         return self._task(start, names[int(rng.integers(len(names)))], level)
 
@@ -94,7 +97,7 @@ class KinEnv(ProceduralEnv):
         and nothing about the levels beyond the warm start."""
         if not guided:
             return super().demonstration_task(rng, levels, guided)
-        start = self.world.entities[int(rng.integers(len(self.world.entities)))]
+        start = self._start(rng)
         name = NONCE_NAMES[int(rng.integers(len(NONCE_NAMES)))]
         definition = tuple(RELATIONS[int(i)] for i in rng.integers(len(RELATIONS), size=PARTS))
         return self._task(start, name, 0, definition)
