@@ -277,7 +277,8 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
                   aggregation: str, max_tokens: int | None = None, ref_logp: Tensor | None = None,
                   kl_coef: float = 0.0, offpolicy_mask: Tensor | None = None,
                   shaping_gamma: float = 0.0, expert_mask: Tensor | None = None,
-                  expert_gamma: float = 0.1) -> tuple[Tensor, dict[str, float]]:
+                  expert_gamma: float = 0.1, guided_sft: float = 0.0,
+                  sft_mask: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """Clipped policy-gradient loss with clip-higher and an optional k3 KL penalty.
 
     ``rho_t = exp(logp_t - old_logp_t)``
@@ -295,6 +296,14 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
     ``l_t = -f(pi_t) max(A_t, 0)`` with ``f(pi) = pi / (pi + expert_gamma)``: a reference action is pulled up
     in a trajectory that did better than its group and never pushed down when the trajectory failed later.
     They join the aggregation (``mask`` is widened by ``expert_mask``).
+
+    With ``guided_sft = beta > 0``, tokens in ``sft_mask`` (the learner passes ``offpolicy_mask``: sampled under
+    guidance the training context strips) of a trajectory that did better than its group (``A > 0``) also get
+    a supervised term, ``l_t += -beta log pi_t``: STaR's rationalization (Zelikman et al. 2022) -- a success
+    found with the guidance is fine-tuned on in the context without it, at full weight whatever its probability
+    there (the shaped or clipped term's gradient on a token the stripped context finds unlikely is a fraction of
+    that). Such a token is a sample of the guided policy, so this is a one-sample estimate of the forward KL
+    from the guided to the unguided policy on successes: context distillation of what the guidance revealed.
 
     ``old_logp`` and ``ref_logp`` are treated as constants (detached). The gradient flows through ``logp``
     only; a token whose clipped branch binds has zero policy-gradient.
@@ -356,6 +365,14 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
         pi_e = torch.exp(torch.where(expert, logp, zeros))  # (B, T)
         pg = torch.where(expert, -(pi_e / (pi_e + expert_gamma)) * adv.clamp(min=0), pg)  # (B, T)
     per_token = pg  # (B, T)
+    sft = None
+    if guided_sft < 0:
+        raise ValueError(f"guided_sft must be >= 0; got {guided_sft}")
+    if guided_sft > 0 and sft_mask is not None:
+        if sft_mask.shape != logp.shape:
+            raise ValueError(f"sft_mask must be (B, T) like logp; got {tuple(sft_mask.shape)}")
+        sft = sampled & _as_bool(sft_mask) & (adv > 0)  # (B, T)
+        per_token = per_token - guided_sft * torch.where(sft, logp, zeros)  # (B, T)
 
     use_kl = ref_logp is not None
     if use_kl:
@@ -387,5 +404,6 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
             "kl": float(kl[m].sum()) / denom if (use_kl and n) else 0.0,
             "pg_loss": float(aggregate(pg, m, aggregation, max_tokens)),
             "expert_tokens": float(expert.sum()) if expert is not None else 0.0,
+            "sft_tokens": float(sft.sum()) if sft is not None else 0.0,
         }
     return loss, stats

@@ -44,6 +44,7 @@ class LearnerSettings:
     shift_threshold: float = float("inf")  # drop intervened trajectories whose shift measure exceeds this
     shaping_gamma: float = 0.0  # LUFFY policy shaping on guided tokens (0: off, the ordinary clipped ratio)
     injected_gamma: float = 0.0  # train injected reference steps as expert tokens, f = pi/(pi+gamma) (0: context only)
+    guided_sft: float = 0.0  # STaR rationalization: beta x stripped-context NLL of guided tokens, above-baseline rollouts
     guided_replay: bool = False  # also train each trained guided rollout in its guided context (on-policy there)
     temperature: float = 1.0  # logits are divided by the rollout temperature, as the behaviour's were
     max_tokens: int = 96  # Dr.GRPO's constant normaliser: the most tokens a rollout can generate
@@ -258,7 +259,8 @@ class GRPOLearner:
                                               max_tokens=s.max_tokens, ref_logp=ref, kl_coef=s.kl_coef,
                                               offpolicy_mask=off, shaping_gamma=s.shaping_gamma,
                                               expert_mask=inj if s.injected_gamma > 0 else None,
-                                              expert_gamma=s.injected_gamma)
+                                              expert_gamma=s.injected_gamma, guided_sft=s.guided_sft,
+                                              sft_mask=off)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip if s.grad_clip > 0 else float("inf"))

@@ -105,6 +105,7 @@ class LearnerConfig:
     entropy_coef: float = F(0.0, "TAO-RL entropy shaping c in A*(1 + c*z) on the turn after a tool result.")
     shift_threshold: float = F(1.0, "Shift filter: drop an intervened trajectory whose mean log-ratio (guided vs stripped context, policy tokens sampled under guidance) exceeds this.")
     shaping_gamma: float = F(0.0, "LUFFY policy shaping pi/(pi+gamma) on tokens sampled under guidance (0: off, the clipped ratio).")
+    guided_sft: float = F(0.0, "STaR rationalization: add beta x the NLL, in the context without guidance, of the tokens a rollout that beat its group's baseline sampled under a hint or plan (0: off). Distils what the guidance revealed at full weight.")
     guided_replay: bool = F(False, "Also train every trained rollout sampled under a hint or plan in the context it was sampled in (guidance kept: on-policy there, the same advantage), beside its stripped copy, so the policy keeps reading guidance while it learns from it.")
     injected_gamma: float = F(0.0, "Train the reference step a guided_step intervention wrote into a trajectory as an expert token (LUFFY's off-policy shaping pi/(pi+gamma), positive advantages only); 0: context only, never trained.")
 
@@ -380,6 +381,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"learner.shift_threshold = {L.shift_threshold}: must be > 0 (inf: no filter)")
     if L.shaping_gamma < 0:
         raise ConfigError(f"learner.shaping_gamma = {L.shaping_gamma}: must be >= 0")
+    if L.guided_sft < 0:
+        raise ConfigError(f"learner.guided_sft = {L.guided_sft}: must be >= 0 (0: off)")
     if L.injected_gamma < 0:
         raise ConfigError(f"learner.injected_gamma = {L.injected_gamma}: must be >= 0 (0: injected steps are context only)")
 

@@ -58,6 +58,7 @@ def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
                         drop_zero_variance=L.drop_zero_variance, mask_all_tools_failed=L.mask_all_tools_failed,
                         entropy_coef=L.entropy_coef, shift_threshold=L.shift_threshold,
                         shaping_gamma=L.shaping_gamma, injected_gamma=L.injected_gamma,
+                        guided_sft=L.guided_sft,
                         guided_replay=L.guided_replay, temperature=cfg.rollout.temperature, max_tokens=cfg.max_rollout_tokens)
     return dataclasses.replace(s, **overrides)
 

@@ -174,6 +174,32 @@ def test_luffy_shaping_by_hand():
     assert float(logp.grad[0, 0]) == pytest.approx(-0.5 * 0.1 / 0.36 / 2)
 
 
+def test_guided_sft_by_hand():
+    # row 0 beat its group (A = +1): a guided token (pi 0.1 stripped, 0.9 when sampled) and an unguided one;
+    # row 1 (A = -1): the same tokens, never fine-tuned on
+    logp = torch.log(torch.tensor([[0.1, 0.5], [0.1, 0.5]])).requires_grad_()
+    old = torch.log(torch.tensor([[0.9, 0.5], [0.9, 0.5]]))
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    mask = torch.ones(2, 2)
+    off = torch.tensor([[True, False], [True, False]])
+    loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean", offpolicy_mask=off,
+                                  guided_sft=0.5, sft_mask=off)
+    r = 0.1 / 0.9
+    # row 0: -min(r, clip(r)) = -r, plus -0.5 log 0.1; ratio 1 -> -1. row 1: -min(-r, -0.8) = 0.8; ratio 1 -> +1
+    assert float(loss.detach()) == pytest.approx((-r - 0.5 * math.log(0.1) - 1.0 + 0.8 + 1.0) / 4)
+    assert st["sft_tokens"] == 1.0
+    loss.backward()
+    # d/dlogp: -r from the ratio, -0.5 from the supervised term; row 1's guided token is clipped (no gradient)
+    assert float(logp.grad[0, 0]) == pytest.approx((-r - 0.5) / 4)
+    assert float(logp.grad[1, 0]) == 0.0
+    # off by default: the same call without it is the plain clipped loss
+    loss0, st0 = grpo.ppo_clip_loss(logp.detach(), old, adv, mask, 0.2, 0.28, "token_mean", offpolicy_mask=off)
+    assert float(loss0) == pytest.approx((-r - 1.0 + 0.8 + 1.0) / 4) and st0["sft_tokens"] == 0.0
+    with pytest.raises(ValueError, match="guided_sft"):
+        grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean", offpolicy_mask=off, guided_sft=-1.0,
+                           sft_mask=off)
+
+
 def _learner(model, tok, **kw):
     return GRPOLearner(model, LearnerSettings(lr=1e-3, epochs=1, minibatch_size=8, **kw), total_steps=10,
                        pad_id=ChatRenderer(tok).pad)

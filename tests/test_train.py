@@ -57,6 +57,7 @@ def test_bad_group_size_is_rejected_before_anything_runs(tmp_path):
     (["budget.total=10"], "budget.total"),
     (["run.steps=abc"], "run.steps"),
     (["controller.name=oracle"], "controller.name"),
+    (["learner.guided_sft=-1"], "learner.guided_sft"),
 ])
 def test_config_errors_name_the_field(sets, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
