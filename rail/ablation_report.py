@@ -102,11 +102,13 @@ def load_seed_run(run_dir: Path) -> dict | None:
         choices[key] = {"decisions": [float(r.get(f"intervention/{key}/decisions") or 0.0) for r in steps],
                         "rollouts": [float(r.get(f"intervention/{key}/rollouts") or 0.0) for r in steps]}
     iv = summary.get("interventions", {})
+    cells = {f"{fam} L{lvl}": float(v) for fam, by_level in sorted(ev.get("final", {}).items())
+             for lvl, v in sorted(by_level.items(), key=lambda kv: int(kv[0])) if int(lvl) in beyond}
     return {
         "dir": str(run_dir), "controller": summary.get("controller") or config.get("controller", {}).get("name"),
         "config": config, "summary": summary,
         "easy_levels": easy, "beyond_levels": beyond,
-        "final_easy": ev["easy_final"], "final_beyond": ev["beyond_final"],
+        "final_easy": ev["easy_final"], "final_beyond": ev["beyond_final"], "final_beyond_cells": cells,
         "initial_easy": ev["easy_initial"], "initial_beyond": ev["beyond_initial"],
         "curve": curve, "auc_beyond": auc,
         "zero_variance_share": float(np.mean(zv)) if zv else None,
@@ -212,9 +214,11 @@ def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
             "rollouts_per_decision": rol / dec if dec else None,
             "choices": {k: {"decisions": v["total_decisions"], "rollouts": v["total_rollouts"]}
                         for k, v in ch["by_key"].items()},
-            "per_seed": {str(sd): {k: r[k] for k in ("final_easy", "final_beyond", "auc_beyond", "zero_variance_share",
-                                                    "acceptance", "wall_seconds", "controller_overhead",
-                                                    "budget_spent")}
+            "final_beyond_cells": {c: _mean(r["final_beyond_cells"].get(c) for r in rs)
+                                   for c in dict.fromkeys(c for r in rs for c in r["final_beyond_cells"])},
+            "per_seed": {str(sd): {k: r[k] for k in ("final_easy", "final_beyond", "final_beyond_cells", "auc_beyond",
+                                                    "zero_variance_share", "acceptance", "wall_seconds",
+                                                    "controller_overhead", "budget_spent")}
                          for sd, r in seed_runs.items()},
             "curve": _aggregate_curve(seed_runs),
             "_choices_series": ch,
@@ -587,6 +591,27 @@ def format_markdown(rep: dict) -> str:
               f"({'the same for every arm' if b['equal'] else 'NOT the same for every arm'}). "
               + (f"`none`'s final easy success, the target of 'budget to match none': {rep['none_final_easy']:.3f}."
                  if rep.get("none_final_easy") is not None else "No `none` arm: 'budget to match none' is empty."), ""]
+    cells = list(dict.fromkeys(c for a in order for c in arms[a].get("final_beyond_cells", {})))
+    if cells:
+        L += ["## Final success beyond the boundary per family and level (means over seeds)", "",
+              "Where a difference comes from: each level beyond the boundary on its own (per-seed values in "
+              "report.json)" + (", with the paired mean difference from `none`" if "none" in arms else "") + ".", "",
+              "| arm | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
+        for a in order:
+            v = arms[a].get("final_beyond_cells", {})
+            row = []
+            for c in cells:
+                x = v.get(c)
+                d = None
+                if "none" in arms and a != "none" and x is not None:
+                    common = [sd for sd in arms[a]["seeds"] if sd in arms["none"]["seeds"]]
+                    diffs = [arms[a]["per_seed"][str(sd)].get("final_beyond_cells", {}).get(c, float("nan"))
+                             - arms["none"]["per_seed"][str(sd)].get("final_beyond_cells", {}).get(c, float("nan"))
+                             for sd in common]
+                    d = _mean(diffs) if diffs else None
+                row.append(_f(x, 2) + (f" ({d:+.2f})" if d is not None and np.isfinite(d) else ""))
+            L.append(f"| `{a}` | " + " | ".join(row) + " |")
+        L.append("")
     L += ["## What the controllers chose", "", "| arm | how@where: decisions (rollouts), summed over training, mean over seeds |",
           "|---|---|"]
     for a in order:

@@ -199,6 +199,11 @@ def test_report_numbers_from_known_runs(tmp_path):
     assert rep["versus_none"]["above_ci"] == [] and rep["versus_none"]["text"].startswith("**No**")
     assert rep["arms_order"] == ["none", "rail"]
     assert (root / "report.md").read_text().count("| `rail` | rail |") == 1
+    # each level beyond the boundary on its own, and its paired difference from none (0.2 and 0.4 -> +0.30)
+    assert r["final_beyond_cells"] == {"calc L3": pytest.approx(0.4)} and n["final_beyond_cells"] == {"calc L3": pytest.approx(0.1)}
+    assert r["per_seed"]["1"]["final_beyond_cells"] == {"calc L3": 0.5}
+    md = (root / "report.md").read_text()
+    assert "| arm | calc L3 |" in md and "| `rail` | 0.40 (+0.30) |" in md and "| `none` | 0.10 |" in md
 
 
 # ---------------------------------------------------------------------------- a real smoke ablation
