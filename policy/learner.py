@@ -12,6 +12,7 @@ import dataclasses
 import math
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,8 @@ class LearnerSettings:
     injected_gamma: float = 0.0  # train injected reference steps as expert tokens, f = pi/(pi+gamma) (0: context only)
     guided_sft: float = 0.0  # STaR rationalization: beta x stripped-context NLL of guided tokens, above-baseline rollouts
     guided_replay: bool = False  # also train each trained guided rollout in its guided context (on-policy there)
+    rehearsal: float = 0.0  # PPO-ptx-style: lambda x the NLL of demonstrations from the rehearsal source, every minibatch
+    rehearsal_batch: int = 16  # demonstrations per minibatch when rehearsal > 0
     temperature: float = 1.0  # logits are divided by the rollout temperature, as the behaviour's were
     max_tokens: int = 96  # Dr.GRPO's constant normaliser: the most tokens a rollout can generate
 
@@ -80,6 +83,16 @@ def pad_training_views(trajs: list[Trajectory], pad_id: int):
     return ids, attn, mask, old, post_tool, offpolicy, injected
 
 
+def sft_loss(model, trajs: list[Trajectory], pad_id: int) -> torch.Tensor:
+    """Mean negative log-likelihood of the trained tokens of ``trajs`` (their training views): the warm start's
+    loss, and rehearsal's."""
+    ids, attn, mask, *_ = pad_training_views(trajs, pad_id)
+    logits = forward_logits(model, ids, attn, pad_id)[:, :-1].float()  # (B, T, V), packed
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T)
+    m = mask[:, 1:]
+    return -(logp * m).sum() / m.sum().clamp(min=1)
+
+
 def lr_lambda(schedule: str, warmup: int, total: int):
     def f(i: int) -> float:
         if warmup and i < warmup:
@@ -97,9 +110,14 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 
 
 class GRPOLearner:
-    def __init__(self, model: torch.nn.Module, settings: LearnerSettings, total_steps: int, pad_id: int):
-        """``total_steps``: the training steps (``update`` calls) the learning-rate schedule spans."""
+    def __init__(self, model: torch.nn.Module, settings: LearnerSettings, total_steps: int, pad_id: int,
+                 rehearsal_source: Callable[[int], list[Trajectory]] | None = None):
+        """``total_steps``: the training steps (``update`` calls) the learning-rate schedule spans.
+        ``rehearsal_source(n)``: ``n`` fresh demonstrations to rehearse (required when ``settings.rehearsal`` > 0)."""
+        if settings.rehearsal > 0 and rehearsal_source is None:
+            raise ValueError("learner rehearsal > 0 needs a rehearsal_source (demonstrations to rehearse)")
         self.model = model
+        self.rehearsal_source = rehearsal_source
         self.s = settings
         self.pad_id = pad_id
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
@@ -261,6 +279,10 @@ class GRPOLearner:
                                               expert_mask=inj if s.injected_gamma > 0 else None,
                                               expert_gamma=s.injected_gamma, guided_sft=s.guided_sft,
                                               sft_mask=off)
+                if s.rehearsal > 0:  # PPO-ptx: keep the demonstrations' likelihood up beside the RL objective
+                    nll = sft_loss(self.model, self.rehearsal_source(s.rehearsal_batch), self.pad_id)
+                    loss = loss + s.rehearsal * nll
+                    st = dict(st, rehearsal_nll=float(nll.detach()))
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip if s.grad_clip > 0 else float("inf"))

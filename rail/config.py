@@ -107,6 +107,8 @@ class LearnerConfig:
     shaping_gamma: float = F(0.0, "LUFFY policy shaping pi/(pi+gamma) on tokens sampled under guidance (0: off, the clipped ratio).")
     guided_sft: float = F(0.0, "STaR rationalization: add beta x the NLL, in the context without guidance, of the tokens a rollout that beat its group's baseline sampled under a hint or plan (0: off). Distils what the guidance revealed at full weight.")
     guided_replay: bool = F(False, "Also train every trained rollout sampled under a hint or plan in the context it was sampled in (guidance kept: on-policy there, the same advantage), beside its stripped copy, so the policy keeps reading guidance while it learns from it.")
+    rehearsal: float = F(0.0, "PPO-ptx-style rehearsal: add lambda x the NLL of fresh guided warm-start demonstrations (warm-start levels; kin's nonce names) to every minibatch, so the policy keeps reading guidance (0: off).")
+    rehearsal_batch: int = F(16, "Demonstrations rehearsed per minibatch when learner.rehearsal > 0.")
     injected_gamma: float = F(0.0, "Train the reference step a guided_step intervention wrote into a trajectory as an expert token (LUFFY's off-policy shaping pi/(pi+gamma), positive advantages only); 0: context only, never trained.")
 
 
@@ -383,6 +385,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"learner.shaping_gamma = {L.shaping_gamma}: must be >= 0")
     if L.guided_sft < 0:
         raise ConfigError(f"learner.guided_sft = {L.guided_sft}: must be >= 0 (0: off)")
+    if L.rehearsal < 0:
+        raise ConfigError(f"learner.rehearsal = {L.rehearsal}: must be >= 0 (0: off)")
+    if L.rehearsal_batch < 1:
+        raise ConfigError(f"learner.rehearsal_batch = {L.rehearsal_batch}: must be >= 1")
     if L.injected_gamma < 0:
         raise ConfigError(f"learner.injected_gamma = {L.injected_gamma}: must be >= 0 (0: injected steps are context only)")
 

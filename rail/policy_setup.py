@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from policy.learner import pad_training_views
-from policy.packing import forward_logits
+from policy.learner import sft_loss
 from policy.model import build_tiny_model, load_policy, save_policy
 from policy.records import Origin, Trajectory
 from policy.tokenizer import ChatRenderer, build_word_tokenizer
@@ -131,14 +130,6 @@ def _cache_key(cfg: Config, vocab: list[str]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def sft_loss(model, trajs: list[Trajectory], pad_id: int) -> torch.Tensor:
-    ids, attn, mask, *_ = pad_training_views(trajs, pad_id)
-    logits = forward_logits(model, ids, attn, pad_id)[:, :-1].float()  # (B, T, V), packed
-    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T)
-    m = mask[:, 1:]
-    return -(logp * m).sum() / m.sum().clamp(min=1)
-
-
 def demonstration_batches(renderer: ChatRenderer, envs: dict[str, Environment], cfg: Config):
     """The warm start's batches, in order: ``warmstart.steps`` lists of ``warmstart.batch_size`` reference
     trajectories (families alternating; a share ``guided_share`` guided, the rest from the imperfect
@@ -170,6 +161,32 @@ def demonstration_batches(renderer: ChatRenderer, envs: dict[str, Environment], 
                     tr = reference_trajectory(env, task, renderer)
             trajs.append(tr)
         yield trajs
+
+
+class RehearsalSource:
+    """Guided warm-start demonstrations to rehearse during RL (``learner.rehearsal``): the families in turn, each a
+    task of ``warmstart.levels`` (``kin``: a nonce name) followed under a plan or a rubric hint, as
+    :func:`guided_demonstration` draws them. They keep the policy reading guidance while RL and rationalization
+    move it; none is of a level beyond the warm start, so they reveal nothing the warm start did not.
+    Deterministic given the seed and the step (:meth:`begin_step`), so a resumed run rehearses the same ones."""
+
+    def __init__(self, renderer: ChatRenderer, envs: dict[str, Environment], cfg: Config):
+        self.renderer, self.envs, self.names = renderer, envs, sorted(envs)
+        self.seed, self.levels = cfg.run.seed, list(cfg.warmstart.levels)
+        self.begin_step(0)
+
+    def begin_step(self, step: int) -> None:
+        self.rng = np.random.default_rng([self.seed, step, 5])
+        self.k = 0
+
+    def __call__(self, n: int) -> list[Trajectory]:
+        out = []
+        for _ in range(n):
+            env = self.envs[self.names[self.k % len(self.names)]]
+            self.k += 1
+            task = env.demonstration_task(self.rng, self.levels, True)
+            out.append(guided_demonstration(env, task, self.renderer, self.rng))
+        return out
 
 
 def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg: Config, progress=None) -> list[float]:

@@ -42,7 +42,7 @@ from rail.controllers import CONTROLLERS, GroupView, Menu, Outcome
 from rail.interventions import Intervention
 from rail.envs import ToolRunner, make_env, rubric_status
 from rail.evaluate import eval_metrics, evaluate, mean_over
-from rail.policy_setup import make_policy
+from rail.policy_setup import RehearsalSource, make_policy
 from rail.tracking import JsonlTracker, MlflowTracker, MultiTracker, NullTracker
 
 log = logging.getLogger("rail")
@@ -59,7 +59,8 @@ def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
                         entropy_coef=L.entropy_coef, shift_threshold=L.shift_threshold,
                         shaping_gamma=L.shaping_gamma, injected_gamma=L.injected_gamma,
                         guided_sft=L.guided_sft,
-                        guided_replay=L.guided_replay, temperature=cfg.rollout.temperature, max_tokens=cfg.max_rollout_tokens)
+                        guided_replay=L.guided_replay, rehearsal=L.rehearsal, rehearsal_batch=L.rehearsal_batch,
+                        temperature=cfg.rollout.temperature, max_tokens=cfg.max_rollout_tokens)
     return dataclasses.replace(s, **overrides)
 
 
@@ -109,8 +110,9 @@ class Trainer:
             self.model, self.tokenizer, self.policy_info = make_policy(cfg, self.envs, self._ws_progress())
         self.renderer = ChatRenderer(self.tokenizer)
         self.engine = TransformersEngine(self.model, self.renderer, batch_size=cfg.rollout.batch_size)
+        self.rehearsal = RehearsalSource(self.renderer, self.envs, cfg) if cfg.learner.rehearsal > 0 else None
         self.learner = GRPOLearner(self.model, learner_settings(cfg), total_steps=cfg.run.steps,
-                                   pad_id=self.renderer.pad)
+                                   pad_id=self.renderer.pad, rehearsal_source=self.rehearsal)
         self.controller = CONTROLLERS[cfg.controller.name](config=cfg, out=out)
         self.ledger = BudgetLedger(cfg.budget.unit, cfg.step_budget(), cfg.budget.total)
         if ckpt is not None:
@@ -358,6 +360,8 @@ class Trainer:
         self.controller.feedback(groups, outcomes, compose)
         t_fb = time.perf_counter() - t_fb
         t_ctl += t_fb
+        if self.rehearsal is not None:
+            self.rehearsal.begin_step(step)
         upd = self.learner.update(batch, torch.Generator().manual_seed(_seed(cfg.run.seed, step, 3)))
         t_upd = time.perf_counter() - t - t_fb
 

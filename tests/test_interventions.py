@@ -384,3 +384,57 @@ def test_injected_expert_tokens_by_hand():
     assert float(loss0) == pytest.approx((-1.0 + 1.0) / 2)
     with pytest.raises(ValueError, match="expert_gamma"):
         grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean", expert_mask=inj, expert_gamma=0.0)
+
+
+def test_rehearsal_adds_the_demonstrations_nll_and_lowers_it(env, tok, model, task):
+    import copy
+
+    from policy.learner import PreparedBatch, sft_loss
+    from rail.interventions import hint_text
+
+    r = ChatRenderer(tok)
+    m = copy.deepcopy(model)
+    demos = [reference_trajectory(env, task, r, hint=(0, hint_text(task, 0))), reference_trajectory(env, task, r)]
+    calls = []
+
+    def source(n):
+        calls.append(n)
+        return demos[:n]
+
+    with pytest.raises(ValueError, match="rehearsal_source"):
+        GRPOLearner(m, LearnerSettings(rehearsal=1.0), total_steps=1, pad_id=r.pad)
+    learner = GRPOLearner(m, LearnerSettings(lr=1e-2, epochs=1, minibatch_size=8, rehearsal=0.5, rehearsal_batch=2),
+                          total_steps=10, pad_id=r.pad, rehearsal_source=source)
+    src = failed_at_second_call(env, task, r)
+    with torch.no_grad():
+        before = float(sft_loss(m, demos, r.pad))
+    # one trajectory at advantage 0: the policy-gradient term is 0, the loss is the rehearsal term alone
+    out = learner.update(PreparedBatch([src], [0.0], {}), torch.Generator().manual_seed(0))
+    assert calls == [2]
+    assert out["rehearsal_nll"] == pytest.approx(before, rel=1e-4)
+    assert out["loss"] == pytest.approx(0.5 * before, rel=1e-4)
+    with torch.no_grad():
+        assert float(sft_loss(m, demos, r.pad)) < before  # the step moved towards the demonstrations
+
+
+def test_rehearsal_source_is_guided_warm_start_levels_only_and_deterministic():
+    from rail.config import build_config
+    from rail.policy_setup import RehearsalSource
+
+    cfg = build_config("smoke", sets=[{"env": {"families": ["lookup", "calc", "kin"]}}])
+    envs = {f: make_env(f, 0) for f in cfg.env.families}
+    r = ChatRenderer(build_word_tokenizer(vocabulary(envs)))
+    src = RehearsalSource(r, envs, cfg)
+    src.begin_step(3)
+    a = src(6)
+    src.begin_step(3)
+    b = src(6)
+    assert [t.ids for t in a] == [t.ids for t in b]  # a resumed step rehearses the same demonstrations
+    src.begin_step(4)
+    assert [t.ids for t in src(6)] != [t.ids for t in a]
+    assert sorted({t.family for t in a}) == ["calc", "kin", "lookup"]
+    for t in a:
+        assert t.level in cfg.warmstart.levels or (t.family == "kin" and t.level == 0)  # nothing beyond
+        text = r.tok.decode(t.prompt_ids + t.ids)
+        assert "plan :" in text or text.count("<|im_start|> user") == 2, text  # guidance kept in the context
+        assert t.reward == 1.0

@@ -58,6 +58,8 @@ def test_bad_group_size_is_rejected_before_anything_runs(tmp_path):
     (["run.steps=abc"], "run.steps"),
     (["controller.name=oracle"], "controller.name"),
     (["learner.guided_sft=-1"], "learner.guided_sft"),
+    (["learner.rehearsal=-0.5"], "learner.rehearsal"),
+    (["learner.rehearsal_batch=0"], "learner.rehearsal_batch"),
 ])
 def test_config_errors_name_the_field(sets, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
