@@ -20,11 +20,12 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
 
 
 def setup(a: argparse.Namespace):
-    """``(cfg, envs, model, renderer, engine, params, info)`` for the default preset with ``a.sets`` applied
-    (tracking off): the cached warm start of that config, or a newly trained one."""
+    """``(cfg, envs, model, renderer, engine, params, info)`` for the ``plain`` preset (the default one with plain
+    GRPO's learner, which the probes measure treatments against) with ``a.sets`` applied (tracking off): the cached
+    warm start of that config, or a newly trained one."""
     if a.threads:
         torch.set_num_threads(a.threads)
-    cfg = build_config("default", sets=[{"tracking": {"uri": ""}}] + [parse_set(s) for s in a.sets])
+    cfg = build_config("plain", sets=[{"tracking": {"uri": ""}}] + [parse_set(s) for s in a.sets])
     envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
     model, tok, info = make_policy(cfg, envs)
     renderer = ChatRenderer(tok)

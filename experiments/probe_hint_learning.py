@@ -24,6 +24,7 @@ from policy.engine import RolloutRequest
 from policy.learner import GRPOLearner
 from rail import interventions as ivs
 from rail.envs import ToolRunner, rubric_status
+from rail.policy_setup import RehearsalSource
 from rail.train import learner_settings
 
 
@@ -41,7 +42,9 @@ def main() -> None:
     add_common_args(ap)
     a = ap.parse_args()
     cfg, envs, model, renderer, engine, params, info = setup(a)
-    learner = GRPOLearner(model, learner_settings(cfg, schedule="constant"), total_steps=a.iters, pad_id=renderer.pad)
+    rehearsal = RehearsalSource(renderer, envs, cfg) if cfg.learner.rehearsal > 0 else None
+    learner = GRPOLearner(model, learner_settings(cfg, schedule="constant"), total_steps=a.iters, pad_id=renderer.pad,
+                          rehearsal_source=rehearsal)
     env, runner = envs[a.family], ToolRunner(envs[a.family])
     held_out = env.eval_tasks(a.level, a.eval_tasks)
     iv = ivs.Intervention.parse(a.how, a.hinted)
@@ -77,6 +80,8 @@ def main() -> None:
             reqs += p.requests if p is not None else []
         helped = score(engine.generate(reqs, params, seed=50_000 + it), tasks) if reqs else []
         batch = learner.prepare(base + helped, compose="mix")
+        if rehearsal is not None:
+            rehearsal.begin_step(it)
         upd = learner.update(batch, torch.Generator().manual_seed(it))
         row = {"iter": it, "base_success": round(float(np.mean([t.reward for t in base])), 4),
                "helped_rollouts": len(helped),

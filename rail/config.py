@@ -104,10 +104,10 @@ class LearnerConfig:
     mask_all_tools_failed: bool = F(True, "Mask trajectories in which every tool call failed (TAO-RL).")
     entropy_coef: float = F(0.0, "TAO-RL entropy shaping c in A*(1 + c*z) on the turn after a tool result.")
     shift_threshold: float = F(1.0, "Shift filter: drop an intervened trajectory whose mean log-ratio (guided vs stripped context, policy tokens sampled under guidance) exceeds this.")
-    shaping_gamma: float = F(0.0, "LUFFY policy shaping pi/(pi+gamma) on tokens sampled under guidance (0: off, the clipped ratio).")
-    guided_sft: float = F(0.0, "STaR rationalization: add beta x the NLL, in the context without guidance, of the tokens a rollout that beat its group's baseline sampled under a hint or plan (0: off). Distils what the guidance revealed at full weight.")
-    guided_replay: bool = F(False, "Also train every trained rollout sampled under a hint or plan in the context it was sampled in (guidance kept: on-policy there, the same advantage), beside its stripped copy, so the policy keeps reading guidance while it learns from it.")
-    rehearsal: float = F(0.0, "PPO-ptx-style rehearsal: add lambda x the NLL of fresh guided warm-start demonstrations (warm-start levels; kin's nonce names) to every minibatch, so the policy keeps reading guidance (0: off).")
+    shaping_gamma: float = F(0.1, "LUFFY policy shaping pi/(pi+gamma) on tokens sampled under guidance (0: off, the clipped ratio).")
+    guided_sft: float = F(1.0, "STaR rationalization: add beta x the NLL, in the context without guidance, of the tokens a rollout that beat its group's baseline sampled under a hint or plan (0: off). Distils what the guidance revealed at full weight.")
+    guided_replay: bool = F(True, "Also train every trained rollout sampled under a hint or plan in the context it was sampled in (guidance kept: on-policy there, the same advantage), beside its stripped copy, so the policy keeps reading guidance while it learns from it.")
+    rehearsal: float = F(1.0, "PPO-ptx-style rehearsal: add lambda x the NLL of fresh guided warm-start demonstrations (warm-start levels; kin's nonce names) to every minibatch, so the policy keeps reading guidance (0: off).")
     rehearsal_batch: int = F(16, "Demonstrations rehearsed per minibatch when learner.rehearsal > 0.")
     injected_gamma: float = F(0.0, "Train the reference step a guided_step intervention wrote into a trajectory as an expert token (LUFFY's off-policy shaping pi/(pi+gamma), positive advantages only); 0: context only, never trained.")
 
@@ -187,6 +187,10 @@ class Config:
 PRESETS: dict[str, dict] = {
     # The CPU demonstration: warm start + GRPO on both families, under 10 minutes on 2 cores.
     "default": {},
+    # The default preset with plain GRPO's treatment of intervened rollouts (the clipped ratio on the stripped
+    # context alone: no rationalization, guided replay, shaping or rehearsal), the learner's defaults before the
+    # rehearsal ablation (docs/benchmarks.md); the benchmarks measured before it reproduce with it.
+    "plain": {"learner": {"guided_sft": 0.0, "guided_replay": False, "shaping_gamma": 0.0, "rehearsal": 0.0}},
     # Under a minute, for tests: a smaller model, fewer tasks, a few steps.
     "smoke": {
         "run": {"name": "smoke", "steps": 3, "checkpoint_every": 2},
