@@ -352,10 +352,11 @@ class RailController(_Reserving):
         self.seconds = 0.0
         self.step = 0
         self._made: list = []  # (controller decision, rail Decision or None, view, cost)
+        self.absorbed: list[float] = []  # this step's interventions: what their demonstrations revealed
 
     def begin_step(self, step, rng) -> None:
         super().begin_step(step, rng)
-        self.step, self._made = step, []
+        self.step, self._made, self.absorbed = step, [], []
 
     def _context(self, g: GroupView, remaining: int) -> dict:
         base = g.base
@@ -441,6 +442,8 @@ class RailController(_Reserving):
         unit = unit_rollouts * per_rollout
         base_groups = [[t.reward for t in g.base] for g in groups if g.n_base]
         opp = R.opportunity(base_groups, g_size * per_rollout, unit)
+        # demonstrations count only when the learner distils them (docs/controller.md, "Reward")
+        weight = self.cfg.controller.absorption if self.cfg.learner.guided_sft > 0 else 0.0
         ran = {id(o.decision): o for o in outcomes if o.ran}
         for d, rd, g in self._made:
             if rd is None:
@@ -450,10 +453,17 @@ class RailController(_Reserving):
             if o is None:
                 self.ctl.abandon(d.id)
                 continue
-            accepted = [t.reward for t in o.trajectories if t.status not in ("shift_rejected", "probe")]
-            r = R.reward([t.reward for t in g.base], accepted, max(o.cost, 1), unit, compose)
+            kept = [t for t in o.trajectories if t.status not in ("shift_rejected", "probe")]
+            accepted = [t.reward for t in kept]
+            shifts = [t.shift if t.context_shifted else None for t in kept]
+            n_run = sum(t.status != "probe" for t in o.trajectories)
+            before = [t.reward for t in g.base]
+            r = R.reward(before, accepted, max(o.cost, 1), unit, compose, shifts=shifts, ran=n_run, weight=weight)
+            absorbed = R.absorbed(before, accepted, shifts, n_run, compose) if weight > 0 else 0.0
+            self.absorbed.append(absorbed)
             self.ctl.feedback(d.id, r, {"cost": o.cost, "rollouts": len(o.trajectories), "accepted": len(accepted),
-                                        "successes": sum(x >= 1.0 for x in accepted)})
+                                        "successes": sum(x >= 1.0 for x in accepted),
+                                        "absorbed": round(absorbed, 6)})
         for g in groups:  # drift made visible: the recent pass rate per family/level
             if g.n_base:
                 key = f"{g.family}/{g.task.level}"
@@ -473,6 +483,8 @@ class RailController(_Reserving):
              "controller/events": float(self.ctl.learned),
              "controller/transitions": float(len(self.ctl.transitions)),
              "controller/seconds": self.seconds}
+        if self.absorbed:
+            m["controller/absorbed"] = sum(self.absorbed) / len(self.absorbed)
         for k in ("diff", "diff_lower", "diff_upper", "bandit_dr", "heuristic_dr", "logged"):
             if k in ev:
                 m[f"controller/{k}"] = float(ev[k])
