@@ -1,7 +1,8 @@
 """The learned intervention controller: decide for a batch of groups under a budget, learn from outcomes,
 go live only when off-policy evaluation says it beats the heuristic it shadows.
 
-One decision per group and step. For each group the caller gives a context (shared features), the legal
+One decision per group per call of ``decide`` (a trainer may call it again, in later rounds of a step, for the
+groups an intervention left without signal). For each group the caller gives a context (shared features), the legal
 interventions with their features and costs, and what the shadowed heuristic would do. The controller adds
 the "no intervention" action itself (index 0, cost 0). See ``docs/controller.md``.
 """

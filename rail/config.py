@@ -140,7 +140,8 @@ class ControllerConfig:
     check_every: int = F(20, "rail: decisions between gate checks.")
     margin: float = F(0.0, "rail: go live when the lower bound of V(bandit) - V(heuristic) exceeds this (and demote symmetrically).")
     consecutive: int = F(2, "rail: consecutive passing checks needed to change mode.")
-    absorption: float = F(1.0, "rail: weight in the bandit's reward of what an intervention's demonstrations revealed (accepted guided rollouts above their group's mean, by their shift measure, per rollout run; docs/controller.md), counted only when learner.guided_sft > 0 (0: the variance gain alone).")
+    escalate: bool = F(True, "rail: after round 0 (every base group), decide again in each later round for the groups its last intervention left without a success, as ladder climbs; the shadowed heuristic is ladder's next untried rung (false: one decision per group and step).")
+    absorption: float = F(0.0, "rail: weight in the bandit's reward of what an intervention's demonstrations revealed (accepted guided rollouts above their group's mean, by their shift measure, per rollout run; docs/controller.md), counted only when learner.guided_sft > 0 (0: the variance gain alone).")
 
 
 @dataclass

@@ -331,8 +331,10 @@ CONTROLLERS: dict[str, type] = {
 
 
 class RailController(_Reserving):
-    """The learned controller (``controller/``): one decision per base group and step, shadowing the
-    ``controller.shadow`` heuristic until off-policy evaluation promotes it (docs/controller.md)."""
+    """The learned controller (``controller/``), shadowing the ``controller.shadow`` heuristic until off-policy
+    evaluation promotes it (docs/controller.md). Round 0 decides for every base group; with
+    ``controller.escalate``, each later round decides again for the groups its last intervention left without
+    a success (as ``ladder`` climbs a rung), and the shadowed heuristic is ladder's next untried rung."""
 
     name = "rail"
 
@@ -351,12 +353,16 @@ class RailController(_Reserving):
         self.pass_rate: dict[str, float] = {}  # EMA of base success per family/level
         self.seconds = 0.0
         self.step = 0
-        self._made: list = []  # (controller decision, rail Decision or None, view, cost)
+        self._made: list = []  # (controller decision, rail Decision or None, view, the group's rollouts before it)
         self.absorbed: list[float] = []  # this step's interventions: what their demonstrations revealed
+        self._open: set[int] = set()  # groups whose intervention ran in the last round (escalation candidates)
 
     def begin_step(self, step, rng) -> None:
         super().begin_step(step, rng)
-        self.step, self._made, self.absorbed = step, [], []
+        self.step, self._made, self.absorbed, self._open = step, [], [], set()
+
+    def observe(self, outcomes) -> None:
+        self._open = {o.decision.group for o in outcomes if o.ran and o.decision.intervention is not None}
 
     def _context(self, g: GroupView, remaining: int) -> dict:
         base = g.base
@@ -383,18 +389,21 @@ class RailController(_Reserving):
             "pass_rate": self.pass_rate.get(key, mean),
             "train_progress": self.step / max(1, self.cfg.run.steps),
             "budget_left": remaining / max(1, self.cfg.step_budget()),
+            "round": float(self.round), "tried": float(len(g.interventions)),
+            "last_tried": g.interventions[-1] if g.interventions else "none",
         }
 
     def _heuristic(self, g: GroupView, menu: Menu) -> Intervention | None:
-        """The shadowed heuristic's one-shot choice: ``ladder``'s first legal rung for a group without a
-        success, ``rti``'s hint, or nothing."""
+        """The shadowed heuristic's choice for a group without a success: ``ladder``'s first legal rung not yet
+        tried on it this step, or ``rti``'s hint (first round only); otherwise nothing."""
         c = self.cfg.controller
         if g.successes > 0:
             return None
         if c.shadow == "rti":
-            cands = [Intervention("rubric_hint", "violation", c.rti_how_many)]
+            cands = [] if g.interventions else [Intervention("rubric_hint", "violation", c.rti_how_many)]
         else:
             cands = [Intervention.parse(r, c.ladder_how_many) for r in c.ladder]
+            cands = [iv for iv in cands if iv.key not in g.interventions]
         return next((iv for iv in cands if menu.cost(g, iv) is not None), None)
 
     def _decide(self, groups, remaining, unit, menu):
@@ -402,12 +411,16 @@ class RailController(_Reserving):
 
         from controller import Action, Group
 
-        if self.round:
+        if self.round and not self.cfg.controller.escalate:
             return []
         t0 = time.perf_counter()
         requests, views, by_name = [], [], []
         for g in groups:
-            if g.n_base == 0 or g.interventions:
+            if g.n_base == 0:
+                continue
+            if self.round == 0 and g.interventions:
+                continue
+            if self.round > 0 and (g.group not in self._open or g.successes > 0):
                 continue
             costs = {iv: menu.cost(g, iv) for iv in menu.legal(g)}
             options = {iv.name: iv for iv in costs}
@@ -423,7 +436,7 @@ class RailController(_Reserving):
         for d, g, options in zip(made, views, by_name):
             rd = None if not d.intervenes else Decision(g.group, options[d.action.name], propensity=d.propensity,
                                                         info={"event": d.id, "mode": d.mode})
-            self._made.append((d, rd, g))
+            self._made.append((d, rd, g, list(g.trajectories)))
             if rd is not None:
                 out.append(rd)
         self.seconds += time.perf_counter() - t0
@@ -445,7 +458,7 @@ class RailController(_Reserving):
         # demonstrations count only when the learner distils them (docs/controller.md, "Reward")
         weight = self.cfg.controller.absorption if self.cfg.learner.guided_sft > 0 else 0.0
         ran = {id(o.decision): o for o in outcomes if o.ran}
-        for d, rd, g in self._made:
+        for d, rd, g, earlier in self._made:
             if rd is None:
                 self.ctl.feedback(d.id, opp, {"opportunity": opp})
                 continue
@@ -457,7 +470,7 @@ class RailController(_Reserving):
             accepted = [t.reward for t in kept]
             shifts = [t.shift if t.context_shifted else None for t in kept]
             n_run = sum(t.status != "probe" for t in o.trajectories)
-            before = [t.reward for t in g.base]
+            before = [t.reward for t in earlier if t.status not in ("shift_rejected", "probe")]
             r = R.reward(before, accepted, max(o.cost, 1), unit, compose, shifts=shifts, ran=n_run, weight=weight)
             absorbed = R.absorbed(before, accepted, shifts, n_run, compose) if weight > 0 else 0.0
             self.absorbed.append(absorbed)

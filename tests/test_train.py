@@ -234,6 +234,23 @@ def test_smoke_trace_parses_with_vw_and_replays_to_the_checkpointed_controller(t
         ws.learn_one(parser.parse_json(line))
     saved = json.loads((out / "checkpoints" / "step_000004" / "state.json").read_text())["controller"]["learned"]
     assert replay(out / "traces" / "decisions.dsjson").weights_equal(Bandit(state=saved["bandit"]))
+    # escalation: a decision in round r > 0 follows an intervention on the same group in round r - 1 of the same
+    # step that left it without a success, and the heuristic it shadows never repeats a rung tried on the group
+    events = [json.loads(ln) for ln in lines]
+    by_key = {}
+    for e in events:
+        step_group = e["EventId"].split("#")[0]
+        by_key[(step_group, int(e["c"]["s"]["round"]))] = e
+    later = [(k, e) for k, e in by_key.items() if k[1] > 0]
+    assert later, "the smoke run escalated no group"
+    for (sg, rnd), e in later:
+        prev = by_key[(sg, rnd - 1)]
+        chosen = prev["_actions"][prev["_labelIndex"]]
+        assert chosen != "none" and prev["_outcome"]["successes"] == 0, (sg, rnd, chosen, prev["_outcome"])
+        assert e["c"]["s"]["tried"] == rnd and e["c"]["s"]["last_tried"] == chosen.split("x")[0]
+        h = [a for a, x in zip(e["_actions"], e["_h"]) if x == 1.0]
+        tried = {by_key[(sg, k)]["_actions"][by_key[(sg, k)]["_labelIndex"]].split("x")[0] for k in range(rnd)}
+        assert h and h[0].split("x")[0] not in tried
     r = cli("traces", "evaluate", str(out), "--json")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
