@@ -31,7 +31,8 @@ def synthetic_group(rng: np.random.Generator, i: int) -> tuple[Group, dict[str, 
            "progress_mean": float(rng.random()), "progress_max": float(rng.random()),
            "violated_item": str(int(rng.integers(0, 4))), "violated_turn": float(rng.integers(0, 4)),
            "tool_failure_rate": float(rng.random() * 0.3), "logprob_mean": float(-rng.random()),
-           "pass_rate": float(rng.random() * 0.5), "train_progress": 0.5, "budget_left": 0.5}
+           "pass_rate": float(rng.random() * 0.5), "train_progress": 0.5, "budget_left": 0.5,
+           "round": float(i % 3), "tried": float(i % 3), "last_tried": "none" if i % 3 == 0 else "resample@violation"}
     acts, truth = [], {}
     for how in HOWS:
         for where in WHERES[: 2 if how != "guided_step" else 1]:
