@@ -63,6 +63,11 @@ def _is_probe(t) -> bool:
     return t.intervention is not None and bool(t.intervention.get("probe"))
 
 
+def _accepted(t) -> bool:
+    """After the learner's filters: a rollout that joined its group (not a probe, not shift-rejected)."""
+    return t.status not in ("shift_rejected", "probe")
+
+
 @dataclass
 class Decision:
     """Run ``intervention`` on ``group`` (or, with ``refill``, generate a fresh base group instead)."""
@@ -355,14 +360,10 @@ class RailController(_Reserving):
         self.step = 0
         self._made: list = []  # (controller decision, rail Decision or None, view, the group's rollouts before it)
         self.absorbed: list[float] = []  # this step's interventions: what their demonstrations revealed
-        self._open: set[int] = set()  # groups whose intervention ran in the last round (escalation candidates)
 
     def begin_step(self, step, rng) -> None:
         super().begin_step(step, rng)
-        self.step, self._made, self.absorbed, self._open = step, [], [], set()
-
-    def observe(self, outcomes) -> None:
-        self._open = {o.decision.group for o in outcomes if o.ran and o.decision.intervention is not None}
+        self.step, self._made, self.absorbed = step, [], []
 
     def _context(self, g: GroupView, remaining: int) -> dict:
         base = g.base
@@ -416,11 +417,9 @@ class RailController(_Reserving):
         t0 = time.perf_counter()
         requests, views, by_name = [], [], []
         for g in groups:
-            if g.n_base == 0:
-                continue
-            if self.round == 0 and g.interventions:
-                continue
-            if self.round > 0 and (g.group not in self._open or g.successes > 0):
+            # round r asks every group whose decisions of rounds 0 .. r-1 all intervened and ran (one applied
+            # intervention per round) and, after round 0, that still has no success
+            if g.n_base == 0 or len(g.interventions) != self.round or (self.round and g.successes > 0):
                 continue
             costs = {iv: menu.cost(g, iv) for iv in menu.legal(g)}
             options = {iv.name: iv for iv in costs}
@@ -466,11 +465,11 @@ class RailController(_Reserving):
             if o is None:
                 self.ctl.abandon(d.id)
                 continue
-            kept = [t for t in o.trajectories if t.status not in ("shift_rejected", "probe")]
+            kept = [t for t in o.trajectories if _accepted(t)]
             accepted = [t.reward for t in kept]
             shifts = [t.shift if t.context_shifted else None for t in kept]
             n_run = sum(t.status != "probe" for t in o.trajectories)
-            before = [t.reward for t in earlier if t.status not in ("shift_rejected", "probe")]
+            before = [t.reward for t in earlier if _accepted(t)]
             r = R.reward(before, accepted, max(o.cost, 1), unit, compose, shifts=shifts, ran=n_run, weight=weight)
             absorbed = R.absorbed(before, accepted, shifts, n_run, compose) if weight > 0 else 0.0
             self.absorbed.append(absorbed)
