@@ -17,11 +17,17 @@ Defined here once:
   capped at 1. ``ran`` is the number of rollouts the intervention ran, so it is a mean over what was spent. A
   success that adds no variance (the group already had signal) still teaches what the guidance revealed; a
   rollout the shift filter rejected, or one the policy would have sampled anyway (shift 0), teaches nothing.
-* ``reward = min(1, (improvement + weight * absorbed) * unit / cost)``: ``unit`` is the cost of the cheapest
-  intervention, so an intervention that gives a dead group full signal at the lowest price scores 1, one that
-  needs twice the budget for the same gain scores half.
+* ``reward = min(1, headroom * (improvement + weight * absorbed) * unit / cost)``: ``unit`` is the cost of the
+  cheapest intervention, so an intervention that gives a dead group full signal at the lowest price scores 1,
+  one that needs twice the budget for the same gain scores half.
+* ``headroom`` (1 unless the caller weights by it; ``rail`` passes it with ``controller.headroom``) is
+  ``1 - q``, ``q`` the policy's recent unguided pass rate on the group's kind of task (rail: its family and
+  level). A unit of learning signal moves success on a kind of task in proportion to what is left to learn
+  there: signal on a cell the policy already solves 90 % of the time buys little, signal on a cell it cannot
+  solve buys the skill the run is missing.
 * Doing nothing costs nothing and earns ``opportunity``: the signal per ``unit`` of budget that fresh base
-  groups earned this step — what the saved budget buys instead. An intervention pays only when it beats it.
+  groups earned this step, each weighted by its own headroom when headrooms are given — what the saved budget
+  buys instead. An intervention pays only when it beats it.
 """
 
 from __future__ import annotations
@@ -63,10 +69,17 @@ def absorbed(before: Sequence[float], accepted: Sequence[float], shifts: Sequenc
     return min(1.0, total / max(ran, len(accepted)))
 
 
+def _check_headroom(h: float) -> float:
+    if not (math.isfinite(h) and 0.0 <= h <= 1.0):
+        raise ValueError(f"a headroom must be in [0, 1] (1 - a pass rate), got {h}")
+    return h
+
+
 def reward(before: Sequence[float], accepted: Sequence[float], cost: float, unit: float,
            compose: str = "mix", shifts: Sequence[float | None] | None = None, ran: int | None = None,
-           weight: float = 0.0) -> float:
-    """Improvement (plus ``weight`` x what its demonstrations revealed) per unit of cost, bounded in [0, 1]."""
+           weight: float = 0.0, headroom: float = 1.0) -> float:
+    """Improvement (plus ``weight`` x what its demonstrations revealed), times ``headroom``, per unit of cost,
+    bounded in [0, 1]."""
     if cost <= 0:
         raise ValueError(f"an intervention's cost must be > 0, got {cost}")
     if weight < 0:
@@ -74,12 +87,18 @@ def reward(before: Sequence[float], accepted: Sequence[float], cost: float, unit
     gain = improvement(before, accepted, compose)
     if weight > 0 and shifts is not None:
         gain += weight * absorbed(before, accepted, shifts, len(accepted) if ran is None else ran, compose)
-    return min(1.0, gain * unit / cost)
+    return min(1.0, _check_headroom(headroom) * gain * unit / cost)
 
 
-def opportunity(group_rewards: Sequence[Sequence[float]], group_cost: float, unit: float) -> float:
-    """What doing nothing earns: the mean signal of fresh base groups, per ``unit`` of budget, in [0, 1]."""
+def opportunity(group_rewards: Sequence[Sequence[float]], group_cost: float, unit: float,
+                headrooms: Sequence[float] | None = None) -> float:
+    """What doing nothing earns: the mean signal of fresh base groups (each times its headroom, when given), per
+    ``unit`` of budget, in [0, 1]."""
     if not group_rewards or group_cost <= 0:
         return 0.0
-    mean = sum(signal(g) for g in group_rewards) / len(group_rewards)
+    if headrooms is None:
+        headrooms = [1.0] * len(group_rewards)
+    if len(headrooms) != len(group_rewards):
+        raise ValueError(f"{len(headrooms)} headrooms for {len(group_rewards)} groups")
+    mean = sum(_check_headroom(h) * signal(g) for g, h in zip(group_rewards, headrooms)) / len(group_rewards)
     return min(1.0, mean * unit / group_cost)

@@ -452,8 +452,10 @@ class RailController(_Reserving):
         unit_rollouts = float(min(self.cfg.controller.how_many))
         per_rollout = 1.0 if self.cfg.budget.unit == "rollouts" else max(1.0, self._tokens_per_rollout(groups))
         unit = unit_rollouts * per_rollout
-        base_groups = [[t.reward for t in g.base] for g in groups if g.n_base]
-        opp = R.opportunity(base_groups, g_size * per_rollout, unit)
+        base = [g for g in groups if g.n_base]
+        weighted = self.cfg.controller.headroom
+        opp = R.opportunity([[t.reward for t in g.base] for g in base], g_size * per_rollout, unit,
+                            [self._headroom(g) for g in base] if weighted else None)
         # demonstrations count only when the learner distils them (docs/controller.md, "Reward")
         weight = self.cfg.controller.absorption if self.cfg.learner.guided_sft > 0 else 0.0
         ran = {id(o.decision): o for o in outcomes if o.ran}
@@ -470,12 +472,14 @@ class RailController(_Reserving):
             shifts = [t.shift if t.context_shifted else None for t in kept]
             n_run = sum(t.status != "probe" for t in o.trajectories)
             before = [t.reward for t in earlier if _accepted(t)]
-            r = R.reward(before, accepted, max(o.cost, 1), unit, compose, shifts=shifts, ran=n_run, weight=weight)
+            h = self._headroom(g)  # logged either way; it weights the reward with controller.headroom
+            r = R.reward(before, accepted, max(o.cost, 1), unit, compose, shifts=shifts, ran=n_run, weight=weight,
+                         headroom=h if weighted else 1.0)
             absorbed = R.absorbed(before, accepted, shifts, n_run, compose) if weight > 0 else 0.0
             self.absorbed.append(absorbed)
             self.ctl.feedback(d.id, r, {"cost": o.cost, "rollouts": len(o.trajectories), "accepted": len(accepted),
                                         "successes": sum(x >= 1.0 for x in accepted),
-                                        "absorbed": round(absorbed, 6)})
+                                        "absorbed": round(absorbed, 6), "headroom": round(h, 6)})
         for g in groups:  # drift made visible: the recent pass rate per family/level
             if g.n_base:
                 key = f"{g.family}/{g.task.level}"
@@ -483,6 +487,13 @@ class RailController(_Reserving):
                 self.pass_rate[key] = 0.9 * self.pass_rate.get(key, rate) + 0.1 * rate
         self._made = []
         self.seconds += time.perf_counter() - t0
+
+    def _headroom(self, g: GroupView) -> float:
+        """1 - the recent unguided pass rate of the group's family/level, as its context saw it (before this
+        step's update); a family/level seen for the first time uses the group's own base rollouts."""
+        key = f"{g.family}/{g.task.level}"
+        rate = self.pass_rate.get(key, sum(t.reward >= 1.0 for t in g.base) / g.n_base)
+        return min(1.0, max(0.0, 1.0 - rate))
 
     @staticmethod
     def _tokens_per_rollout(groups) -> float:

@@ -151,6 +151,31 @@ def test_absorption_counts_what_distilled_demonstrations_revealed():
         R.reward(before, [1.0], cost=2, unit=2, shifts=[0.1], weight=-1.0)
 
 
+def test_headroom_weights_signal_by_what_is_left_to_learn():
+    before = [0.0] * 8
+    rescue = 4 * 0.1 * 0.9  # one accepted success of two on a dead group, at the cheapest price
+    # a cell the policy cannot solve yet (pass rate 0): the full gain; one it solves 3 times in 4: a quarter
+    assert R.reward(before, [1.0, 0.0], cost=2, unit=2, headroom=1.0) == pytest.approx(rescue)
+    assert R.reward(before, [1.0, 0.0], cost=2, unit=2, headroom=0.25) == pytest.approx(rescue / 4)
+    # a solved cell teaches nothing however much signal the rescue made; the cap applies after the weight
+    assert R.reward(before, [1.0, 0.0], cost=2, unit=2, compose="replace", headroom=0.0) == 0.0
+    assert R.reward(before, [1.0, 0.0], cost=1, unit=4, compose="replace", headroom=0.5) == 1.0
+    # a rescue the shift filter rejected is still worth nothing, and the absorption term is weighted too
+    assert R.reward(before, [], cost=2, unit=2, headroom=1.0) == 0.0
+    assert R.reward(before, [1.0, 0.0], cost=2, unit=2, shifts=[0.4, 0.3], ran=2, weight=1.0, headroom=0.5) == \
+        pytest.approx((rescue + 0.2) / 2)
+    # doing nothing: each fresh group's signal counts at its own cell's headroom
+    groups = [[0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 0, 0]]
+    assert R.opportunity(groups, group_cost=4, unit=2, headrooms=[0.2, 1.0, 1.0]) == \
+        pytest.approx((0.2 * 1.0 + 1.0 * 0.75 + 0.0) / 3 / 2)
+    assert R.opportunity(groups, group_cost=4, unit=2) == R.opportunity(groups, 4, 2, headrooms=[1.0] * 3)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="headroom"):
+            R.reward(before, [1.0], cost=2, unit=2, headroom=bad)
+    with pytest.raises(ValueError, match="headroom"):
+        R.opportunity(groups, group_cost=4, unit=2, headrooms=[1.0])
+
+
 def test_feedback_rejects_nan_and_unknown_decisions():
     ctl = LearnedController(Settings(), seed=0)
     (d,) = ctl.decide([Group("g", {"k": "a"}, [Action("x", {"op": "x"}, 1.0)])], 4)

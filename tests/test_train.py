@@ -251,6 +251,10 @@ def test_smoke_trace_parses_with_vw_and_replays_to_the_checkpointed_controller(t
         h = [a for a, x in zip(e["_actions"], e["_h"]) if x == 1.0]
         tried = {by_key[(sg, k)]["_actions"][by_key[(sg, k)]["_labelIndex"]].split("x")[0] for k in range(rnd)}
         assert h and h[0].split("x")[0] not in tried
+    # every intervention's outcome records the headroom of its family/level: 1 - the pass rate its context saw
+    ran = [e for e in events if "headroom" in e["_outcome"]]
+    assert ran and all(e["_outcome"]["headroom"] == pytest.approx(1 - e["c"]["s"]["pass_rate"], abs=1e-6)
+                       for e in ran)
     r = cli("traces", "evaluate", str(out), "--json")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
