@@ -142,7 +142,7 @@ class ControllerConfig:
     consecutive: int = F(2, "rail: consecutive passing checks needed to change mode.")
     escalate: bool = F(True, "rail: after round 0 (every base group), decide again in each later round for the groups its last intervention left without a success, as ladder climbs; the shadowed heuristic is ladder's next untried rung (false: one decision per group and step).")
     absorption: float = F(0.0, "rail: weight in the bandit's reward of what an intervention's demonstrations revealed (accepted guided rollouts above their group's mean, by their shift measure, per rollout run; docs/controller.md), counted only when learner.guided_sft > 0 (0: the variance gain alone).")
-    headroom: bool = F(False, "rail: weight the bandit's reward, and the opportunity of doing nothing, by the headroom of the group's family/level: 1 - the policy's recent unguided pass rate there (docs/controller.md, \"Reward\").")
+    headroom: bool = F(True, "rail: weight the bandit's reward, and the opportunity of doing nothing, by the headroom of the group's family/level: 1 - the policy's recent unguided pass rate there (docs/controller.md, \"Reward\").")
 
 
 @dataclass
