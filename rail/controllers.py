@@ -377,7 +377,7 @@ class RailController(_Reserving):
         calls = [t.tool_calls() for t in base]
         made = sum(c for c, _ in calls)
         lps = [lp for t in base for lp, o in zip(t.logprobs, t.origin) if o == 0]
-        key = f"{g.family}/{g.task.level}"
+        key = self._cell(g)
         return {
             "family": g.family, "level": str(g.task.level), "family_level": key,
             "successes": float(sum(r >= 1.0 for r in rewards)), "success_rate": mean,
@@ -482,18 +482,24 @@ class RailController(_Reserving):
                                         "absorbed": round(absorbed, 6), "headroom": round(h, 6)})
         for g in groups:  # drift made visible: the recent pass rate per family/level
             if g.n_base:
-                key = f"{g.family}/{g.task.level}"
-                rate = sum(t.reward >= 1.0 for t in g.base) / g.n_base
+                key, rate = self._cell(g), self._base_pass(g)
                 self.pass_rate[key] = 0.9 * self.pass_rate.get(key, rate) + 0.1 * rate
         self._made = []
         self.seconds += time.perf_counter() - t0
 
+    @staticmethod
+    def _cell(g: GroupView) -> str:
+        """The key of the group's kind of task in the recent pass rates: its family/level."""
+        return f"{g.family}/{g.task.level}"
+
+    @staticmethod
+    def _base_pass(g: GroupView) -> float:
+        return sum(t.reward >= 1.0 for t in g.base) / g.n_base
+
     def _headroom(self, g: GroupView) -> float:
         """1 - the recent unguided pass rate of the group's family/level, as its context saw it (before this
         step's update); a family/level seen for the first time uses the group's own base rollouts."""
-        key = f"{g.family}/{g.task.level}"
-        rate = self.pass_rate.get(key, sum(t.reward >= 1.0 for t in g.base) / g.n_base)
-        return min(1.0, max(0.0, 1.0 - rate))
+        return min(1.0, max(0.0, 1.0 - self.pass_rate.get(self._cell(g), self._base_pass(g))))
 
     @staticmethod
     def _tokens_per_rollout(groups) -> float:
