@@ -377,9 +377,8 @@ class RailController(_Reserving):
         calls = [t.tool_calls() for t in base]
         made = sum(c for c, _ in calls)
         lps = [lp for t in base for lp, o in zip(t.logprobs, t.origin) if o == 0]
-        key = self._cell(g)
         return {
-            "family": g.family, "level": str(g.task.level), "family_level": key,
+            "family": g.family, "level": str(g.task.level), "family_level": self._cell(g),
             "successes": float(sum(r >= 1.0 for r in rewards)), "success_rate": mean,
             "reward_spread": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5 if n else 0.0,
             "progress_mean": sum(prog) / len(prog) if prog else 0.0, "progress_max": max(prog) if prog else 0.0,
@@ -387,7 +386,7 @@ class RailController(_Reserving):
             "violated_turn": 0.0 if src is None else float(base[src].rubric.violated_turn or 0),
             "tool_failure_rate": (sum(f for _, f in calls) / made) if made else 0.0,
             "logprob_mean": sum(lps) / len(lps) if lps else 0.0,
-            "pass_rate": self.pass_rate.get(key, mean),
+            "pass_rate": self._recent_pass(g),
             "train_progress": self.step / max(1, self.cfg.run.steps),
             "budget_left": remaining / max(1, self.cfg.step_budget()),
             "round": float(self.round), "tried": float(len(g.interventions)),
@@ -496,10 +495,14 @@ class RailController(_Reserving):
     def _base_pass(g: GroupView) -> float:
         return sum(t.reward >= 1.0 for t in g.base) / g.n_base
 
+    def _recent_pass(self, g: GroupView) -> float:
+        """The recent unguided pass rate of the group's family/level (before this step's update); a family/level
+        seen for the first time uses the group's own base rollouts. Its context's ``pass_rate``."""
+        return self.pass_rate.get(self._cell(g), self._base_pass(g))
+
     def _headroom(self, g: GroupView) -> float:
-        """1 - the recent unguided pass rate of the group's family/level, as its context saw it (before this
-        step's update); a family/level seen for the first time uses the group's own base rollouts."""
-        return min(1.0, max(0.0, 1.0 - self.pass_rate.get(self._cell(g), self._base_pass(g))))
+        """1 - the recent pass rate its context saw."""
+        return min(1.0, max(0.0, 1.0 - self._recent_pass(g)))
 
     @staticmethod
     def _tokens_per_rollout(groups) -> float:
