@@ -6,7 +6,7 @@ token by token, and tool observations are appended as template tokens (never re-
 A request may continue a trajectory from a prefix (its first ``t`` turns, copied with their tokens and
 log-probs) and may carry :class:`~policy.records.Guidance` that is marked so the learner can strip it.
 
-``TransformersEngine`` is the CPU/GPU default; a vLLM engine implements the same ``RolloutEngine`` protocol.
+``TransformersEngine`` is the CPU default; ``policy.vllm_engine.VLLMEngine`` implements the same protocol on vLLM.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class RolloutRequest:
     """One rollout to generate.
 
     ``env`` is anything with ``step(task, text) -> step record`` (``.observation``, ``.ok``, ``.done``): it parses
-    the assistant turn's text, runs the tool and never raises for bad model output.
+    the assistant turn's text, runs the tool and never raises for bad model output. If it has ``tools`` (JSON
+    schemas, OpenAI function format), the chat template lists them in the prompt.
     """
 
     task: Any
@@ -100,12 +101,13 @@ class _Episode:
         self.req = req
         task, g = req.task, req.guidance or Guidance()
         user = task.prompt if g.plan is None else f"{task.prompt} {g.plan}"
-        train_prompt = renderer.prompt(req.system, task.prompt)
+        tools = getattr(req.env, "tools", None)
+        train_prompt = renderer.prompt(req.system, task.prompt, tools)
         hint_now = g.hint is not None and req.prefix_turns == 0
         if hint_now:
-            prompt, _ = renderer.prompt_with_hint(req.system, user, g.hint)
+            prompt, _ = renderer.prompt_with_hint(req.system, user, g.hint, tools)
         else:
-            prompt = renderer.prompt(req.system, user)
+            prompt = renderer.prompt(req.system, user, tools)
         self.traj = Trajectory(
             task_id=task.id, family=task.family, level=task.level, group=req.group,
             prompt_ids=prompt, train_prompt_ids=train_prompt, intervention=req.intervention,

@@ -278,7 +278,8 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
                   kl_coef: float = 0.0, offpolicy_mask: Tensor | None = None,
                   shaping_gamma: float = 0.0, expert_mask: Tensor | None = None,
                   expert_gamma: float = 0.1, guided_sft: float = 0.0,
-                  sft_mask: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+                  sft_mask: Tensor | None = None,
+                  is_weight: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """Clipped policy-gradient loss with clip-higher and an optional k3 KL penalty.
 
     ``rho_t = exp(logp_t - old_logp_t)``
@@ -304,6 +305,10 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
     there (the shaped or clipped term's gradient on a token the stripped context finds unlikely is a fraction of
     that). Such a token is a sample of the guided policy, so this is a one-sample estimate of the forward KL
     from the guided to the unguided policy on successes: context distillation of what the guidance revealed.
+
+    With ``is_weight`` (B, T) (``learner.old_logprobs = "recompute"``: the truncated importance-sampling weight
+    ``min(pi_learner / pi_engine, C)`` of each sampled token, TRL's ``vllm_importance_sampling_correction``), the
+    policy-gradient term is multiplied by it: ``l_t = w_t * l_t`` (before the SFT and KL terms, as in TRL).
 
     ``old_logp`` and ``ref_logp`` are treated as constants (detached). The gradient flows through ``logp``
     only; a token whose clipped branch binds has zero policy-gradient.
@@ -364,6 +369,10 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
     if expert is not None:
         pi_e = torch.exp(torch.where(expert, logp, zeros))  # (B, T)
         pg = torch.where(expert, -(pi_e / (pi_e + expert_gamma)) * adv.clamp(min=0), pg)  # (B, T)
+    if is_weight is not None:
+        if is_weight.shape != logp.shape:
+            raise ValueError(f"is_weight must be (B, T) like logp; got {tuple(is_weight.shape)}")
+        pg = pg * is_weight.detach().to(logp.dtype)  # (B, T)
     per_token = pg  # (B, T)
     sft = None
     if guided_sft < 0:

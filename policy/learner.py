@@ -23,6 +23,7 @@ from policy.records import Origin, Trajectory
 
 
 COMPOSITIONS = ("mix", "replace")
+OLD_LOGPROBS = ("engine", "recompute")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class LearnerSettings:
     guided_replay: bool = False  # also train each trained guided rollout in its guided context (on-policy there)
     rehearsal: float = 0.0  # PPO-ptx-style: lambda x the NLL of demonstrations from the rehearsal source, every minibatch
     rehearsal_batch: int = 16  # demonstrations per minibatch when rehearsal > 0
+    old_logprobs: str = "engine"  # engine | recompute (the learner's own, with truncated IS by the engine's)
+    tis_cap: float = 3.0  # truncated importance-sampling cap with old_logprobs = "recompute"
     temperature: float = 1.0  # logits are divided by the rollout temperature, as the behaviour's were
     max_tokens: int = 96  # Dr.GRPO's constant normaliser: the most tokens a rollout can generate
 
@@ -63,7 +66,7 @@ class PreparedBatch:
 def pad_training_views(trajs: list[Trajectory], pad_id: int):
     """Right-padded training views (B, L): ids, attention mask, loss mask, behaviour log-probs, post-tool flags,
     off-policy flags (policy tokens sampled under guidance the view strips), injected flags (tokens an
-    intervention wrote as the policy's turn)."""
+    intervention wrote as the policy's turn). :func:`is_weight_view` gives the importance-sampling weights."""
     views = [t.training_view() for t in trajs]
     B, L = len(views), max(len(v[0]) for v in views)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -81,6 +84,15 @@ def pad_training_views(trajs: list[Trajectory], pad_id: int):
         offpolicy[b, :n] = torch.tensor(tr.offpolicy_flags(), dtype=torch.bool)
         injected[b, :n] = torch.tensor([o == Origin.INJECTED for o in origin])
     return ids, attn, mask, old, post_tool, offpolicy, injected
+
+
+def is_weight_view(trajs: list[Trajectory]) -> torch.Tensor:
+    """(B, L) right-padded importance-sampling weights aligned with :func:`pad_training_views` (1 elsewhere)."""
+    views = [t.training_is_weights() for t in trajs]
+    out = torch.ones((len(views), max(len(v) for v in views)))
+    for b, v in enumerate(views):
+        out[b, :len(v)] = torch.tensor(v)
+    return out
 
 
 def sft_loss(model, trajs: list[Trajectory], pad_id: int) -> torch.Tensor:
@@ -146,6 +158,7 @@ class GRPOLearner:
         """
         if compose not in COMPOSITIONS:
             raise ValueError(f"unknown group composition {compose!r}; one of {', '.join(COMPOSITIONS)}")
+        tis = self.recompute_logprobs(trajs) if self.s.old_logprobs == "recompute" else {}
         stats = {"groups": 0.0, "zero_variance_groups": 0.0, "zero_variance_share": 0.0, "all_tools_failed": 0.0,
                  "kept": 0.0, "probes": 0.0, "replaced": 0.0, "shift_measured": 0.0, "shift_rejected": 0.0,
                  "shift_accepted": 0.0, "shift_mean": 0.0, "shift_max": 0.0, "guided_replay": 0.0}
@@ -158,6 +171,7 @@ class GRPOLearner:
             else:
                 pool.append(t)
         stats["probes"] = float(len(trajs) - len(pool))
+        stats.update(tis)
         if compose == "replace":
             replaced = {t.group for t in pool if t.intervention is not None}
             for t in pool:
@@ -219,6 +233,42 @@ class GRPOLearner:
         return PreparedBatch(kept, advs, stats)
 
     @torch.no_grad()
+    def recompute_logprobs(self, trajs: list[Trajectory]) -> dict[str, float]:
+        """``learner.old_logprobs = "recompute"``: replace each trajectory's behaviour log-probs by the learner's,
+        in the context it was sampled in (guidance included), keeping the engine's in ``engine_logprobs``, and set
+        the truncated importance-sampling weight ``min(exp(learner - engine), tis_cap)`` of every policy token
+        (TRL's ``vllm_importance_sampling_correction``, token_truncate). Returns the ``tis/*`` statistics."""
+        if self.s.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"unknown old_logprobs {self.s.old_logprobs!r}; one of {', '.join(OLD_LOGPROBS)}")
+        ratios, diffs = [], []
+        was = self.model.training
+        self.model.eval()
+        try:
+            for i in range(0, len(trajs), self.s.minibatch_size):
+                chunk = trajs[i : i + self.s.minibatch_size]
+                sampled = [dataclasses.replace(t, keep_guidance=True) for t in chunk]  # the context as sampled
+                ids, attn, mask, *_ = pad_training_views(sampled, self.pad_id)
+                logp = grpo.gather_logprobs(self._logits(self.model, ids, attn), ids[:, 1:])  # (B, T)
+                for b, t in enumerate(chunk):
+                    mine = logp[b][mask[b, 1:] > 0].tolist()  # the policy tokens, in order
+                    pos = [k for k, o in enumerate(t.origin) if o == Origin.POLICY]
+                    if t.engine_logprobs is None:
+                        t.engine_logprobs = list(t.logprobs)
+                    new, w = list(t.logprobs), [1.0] * len(t.ids)
+                    for k, lp in zip(pos, mine):
+                        r = math.exp(min(lp - t.engine_logprobs[k], 50.0))
+                        new[k], w[k] = lp, min(r, self.s.tis_cap)
+                        ratios.append(r), diffs.append(abs(lp - t.engine_logprobs[k]))
+                    t.logprobs, t.is_weights = new, w
+        finally:
+            self.model.train(was)
+        if not ratios:
+            return {"tis_ratio_mean": 1.0, "tis_ratio_max": 1.0, "tis_truncated_share": 0.0, "tis_logprob_diff_max": 0.0}
+        return {"tis_ratio_mean": sum(ratios) / len(ratios), "tis_ratio_max": max(ratios),
+                "tis_truncated_share": sum(r > self.s.tis_cap for r in ratios) / len(ratios),
+                "tis_logprob_diff_max": max(diffs)}
+
+    @torch.no_grad()
     def shift_of(self, trajs: list[Trajectory]) -> list[float]:
         """The shift measure of each trajectory under the current weights (no gradient)."""
         out: list[float] = []
@@ -239,9 +289,10 @@ class GRPOLearner:
         ids, attn, mask, old, post_tool, off, inj = pad_training_views(trajs, self.pad_id)
         B, L = ids.shape
         adv = torch.tensor(advs, dtype=torch.float)[:, None].expand(B, L - 1)  # (B, T)
+        isw = is_weight_view(trajs)[:, 1:] if self.s.old_logprobs == "recompute" else None  # (B, T)
         # token k is predicted from position k-1: shift everything that describes targets by one
         return (ids, attn, mask[:, 1:], old[:, 1:], post_tool[:, 1:] & (mask[:, 1:] > 0), adv, off[:, 1:],
-                inj[:, 1:])
+                inj[:, 1:], isw)
 
     def _logits(self, model, ids, attn) -> torch.Tensor:
         logits = forward_logits(model, ids, attn, self.pad_id)[:, :-1].float()  # (B, T, V), packed
@@ -262,7 +313,7 @@ class GRPOLearner:
             order = torch.randperm(n, generator=generator).tolist()
             for i in range(0, n, s.minibatch_size):
                 sel = order[i : i + s.minibatch_size]
-                ids, attn, mask, old, shape_mask, adv, off, inj = self._batch(
+                ids, attn, mask, old, shape_mask, adv, off, inj, isw = self._batch(
                     [batch.trajectories[j] for j in sel], [batch.advantages[j] for j in sel])
                 logits = self._logits(self.model, ids, attn)  # (B, T, V)
                 logp = grpo.gather_logprobs(logits, ids[:, 1:])  # (B, T)
@@ -278,7 +329,7 @@ class GRPOLearner:
                                               offpolicy_mask=off, shaping_gamma=s.shaping_gamma,
                                               expert_mask=inj if s.injected_gamma > 0 else None,
                                               expert_gamma=s.injected_gamma, guided_sft=s.guided_sft,
-                                              sft_mask=off)
+                                              sft_mask=off, is_weight=isw)
                 if s.rehearsal > 0:  # PPO-ptx: keep the demonstrations' likelihood up beside the RL objective
                     nll = sft_loss(self.model, self.rehearsal_source(s.rehearsal_batch), self.pad_id)
                     loss = loss + s.rehearsal * nll

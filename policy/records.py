@@ -71,6 +71,10 @@ class Trajectory:
     shift: float | None = None  # shift measure (mean log-ratio guided vs stripped context), if measured
     status: str = ""  # what the learner did with it: trained, probe, replaced, shift_rejected, zero_variance, ...
     keep_guidance: bool = False  # train in the context it was sampled in, guidance included (a guided replay)
+    # learner.old_logprobs = "recompute": the engine's own log-probs (``logprobs`` then holds the learner's) and
+    # the truncated importance-sampling weight of each response token (1.0 for non-policy tokens)
+    engine_logprobs: list[float] | None = None
+    is_weights: list[float] | None = None
 
     @property
     def n_turns(self) -> int:
@@ -106,6 +110,16 @@ class Trajectory:
                 continue
             flags.append(1 if shifted and o == Origin.POLICY and t >= self.prefix_turns else 0)
         return flags
+
+    def training_is_weights(self) -> list[float]:
+        """Aligned with :meth:`training_view`'s ids: each token's importance-sampling weight (1.0 without one)."""
+        out = [1.0] * len(self.context_prompt_ids)
+        ws = self.is_weights if self.is_weights is not None else [1.0] * len(self.ids)
+        for o, w in zip(self.origin, ws):
+            if o == Origin.GUIDANCE and not self.keep_guidance:
+                continue
+            out.append(w if o == Origin.POLICY else 1.0)
+        return out
 
     def training_view(self) -> tuple[list[int], list[int], list[float], list[int], list[int]]:
         """(input ids, loss mask, behaviour log-probs, turn, origin) of the sequence the learner trains on.

@@ -61,18 +61,35 @@ class ChatRenderer:
         # A fixed conversation whose suffix diffs are taken; its content never reaches the model.
         self._dummy = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}]
         self._dummy_ids = self._ids(self._dummy, generation_prompt=False)
+        # What the template writes after an assistant turn's end-of-turn token and before the next message
+        # (Qwen's "\n" after <|im_end|>): the engine samples up to end-of-turn, so these tokens open every suffix.
+        if self.end_of_turn not in self._dummy_ids:
+            raise ValueError(f"the chat template does not end an assistant turn with the tokenizer's eos_token "
+                             f"({tokenizer.eos_token!r}); set eos_token to the template's end-of-turn token")
+        last = len(self._dummy_ids) - 1 - self._dummy_ids[::-1].index(self.end_of_turn)
+        self._after_turn = self._dummy_ids[last + 1:]
+        self._prompts: dict = {}
 
-    def _ids(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        out = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+    def _ids(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+        kw = {"tools": tools} if tools else {}
+        out = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt, **kw)
         if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding in newer transformers
             out = out["input_ids"]
         return list(out)
 
-    def prompt(self, system: str, user: str) -> list[int]:
-        """The prompt tokens, ending with the assistant generation header."""
-        return self._ids(
-            [{"role": "system", "content": system}, {"role": "user", "content": user}], generation_prompt=True
-        )
+    def _prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        """Prompts repeat (a group shares its task's), and rendering a template that lists tools is not free."""
+        key = (tuple((m["role"], m["content"]) for m in messages), id(tools) if tools else None)
+        if key not in self._prompts:
+            if len(self._prompts) > 4096:
+                self._prompts.clear()
+            self._prompts[key] = (self._ids(messages, generation_prompt=True, tools=tools), tools)
+        return list(self._prompts[key][0])
+
+    def prompt(self, system: str, user: str, tools: list[dict] | None = None) -> list[int]:
+        """The prompt tokens, ending with the assistant generation header; ``tools`` (JSON schemas) are listed
+        the way the template lists them (the built-in template lists none)."""
+        return self._prompt_ids([{"role": "system", "content": system}, {"role": "user", "content": user}], tools)
 
     def tool_suffix(self, observation: str) -> list[int]:
         """Tokens after an assistant turn's end: the tool message and the next assistant header."""
@@ -82,7 +99,7 @@ class ChatRenderer:
         full = self._ids([*self._dummy, *messages], generation_prompt=True)
         if full[: len(self._dummy_ids)] != self._dummy_ids:
             raise ValueError("chat template is not prefix-stable; cannot render tool messages incrementally")
-        return full[len(self._dummy_ids):]
+        return self._after_turn + full[len(self._dummy_ids):]
 
     def tool_suffix_with_hint(self, observation: str, hint: str) -> tuple[list[int], int, int]:
         """The tool suffix with a user hint message after the tool message.
@@ -95,12 +112,13 @@ class ChatRenderer:
         start, end = split_inserted(base, full)
         return full, start, end
 
-    def prompt_with_hint(self, system: str, user: str, hint: str) -> tuple[list[int], list[int]]:
+    def prompt_with_hint(self, system: str, user: str, hint: str,
+                         tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
         """(prompt as sampled with a hint message after the user message, prompt without it)."""
-        base = self.prompt(system, user)
-        full = self._ids(
+        base = self.prompt(system, user, tools)
+        full = self._prompt_ids(
             [{"role": "system", "content": system}, {"role": "user", "content": user},
-             {"role": "user", "content": hint}], generation_prompt=True)
+             {"role": "user", "content": hint}], tools)
         split_inserted(base, full)  # raises if the hint is not a clean insertion
         return full, base
 

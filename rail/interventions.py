@@ -22,7 +22,7 @@ The learned controller describes interventions with :meth:`Intervention.features
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from policy.engine import RolloutRequest
 from policy.records import Guidance, Trajectory
@@ -126,10 +126,15 @@ def hint_text(task: Any, item: int) -> str:
     return task.rubric[item].evidence
 
 
-def plan_text(task: Any, plan_len: int) -> str:
-    """The ActGuide-style plan: ``plan : a1 ; a2 ; ...`` with the first ``plan_len`` reference actions."""
+def plan_text(task: Any, plan_len: int, inline: Callable[[Any], str] | None = None) -> str:
+    """The ActGuide-style plan: ``plan : a1 ; a2 ; ...`` with the first ``plan_len`` reference actions, each
+    written by ``inline`` (the tool runner's: the model's tool-call format; default the built-in grammar)."""
     acts = task.action_guide[:plan_len]
-    return "plan : " + " ; ".join(a.render() for a in acts)
+    return "plan : " + " ; ".join((inline or _render)(a) for a in acts)
+
+
+def _render(action: Any) -> str:
+    return action.render()
 
 
 def _branch(iv: Intervention, tr: Trajectory) -> int | None:
@@ -160,7 +165,9 @@ def estimate_tokens(group: Sequence[Trajectory], task: Any, turn: int, max_token
 
 def plan(intervention: Intervention, group_index: int, group: Sequence[Trajectory], task: Any, env: Any,
          system: str, unit: str, max_tokens_per_turn: int, probe: bool = False) -> Plan | None:
-    """Turn ``intervention`` into requests for one group; None when it is not legal there."""
+    """Turn ``intervention`` into requests for one group; None when it is not legal there. ``env`` is the
+    group's :class:`~rail.envs.ToolRunner`: it runs the requests' tool calls and writes plans and injected
+    steps in the model's tool-call format."""
     iv = intervention
     src = source_index(group)
     if src is None:
@@ -175,9 +182,9 @@ def plan(intervention: Intervention, group_index: int, group: Sequence[Trajector
         guidance = Guidance(hint=hint_text(task, item))
     elif iv.how == "action_guide":
         m = iv.plan_len or item + 1
-        guidance = Guidance(plan=plan_text(task, min(m, len(task.action_guide))))
+        guidance = Guidance(plan=plan_text(task, min(m, len(task.action_guide)), env.inline))
     elif iv.how == "guided_step":
-        guidance = Guidance(inject=task.rubric[item].action.render())
+        guidance = Guidance(inject=env.render(task.rubric[item].action))
     record = {**iv.to_dict(), "key": iv.key, "source": src, "branch_turn": t, "item": item, "probe": probe}
     reqs = [RolloutRequest(task=task, env=env, system=system, group=group_index,
                            prefix=tr if t > 0 else None, prefix_turns=t, guidance=guidance,

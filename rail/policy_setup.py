@@ -1,7 +1,8 @@
 """Building the policy: vocabulary, the built-in tiny model, the warm start and its on-disk cache.
 
 The warm start is supervised fine-tuning on reference trajectories (the action guide executed in the
-environment) of the easy levels only. It gives the base policy a capability boundary: it solves the easy
+environment, rendered in the model's chat template and tool-call format) of the easy levels only; it works for
+the built-in model and for any checkpoint (``model.path``). It gives the base policy a capability boundary: it solves the easy
 levels part of the time and almost never the hard ones. Warm-started models are cached under
 ``warmstart.cache_dir`` keyed by a hash of everything that determines them.
 """
@@ -61,20 +62,21 @@ def demonstration(task, rng: np.random.Generator, noise: float, alternatives: di
 
 def reference_trajectory(env: Environment, task, renderer: ChatRenderer, group: int = 0,
                          actions: list[Action] | None = None, plan: str | None = None,
-                         hint: tuple[int, str] | None = None) -> Trajectory:
+                         hint: tuple[int, str] | None = None, tool_format: str = "builtin") -> Trajectory:
     """``actions`` (default: the action guide) executed turn by turn, tokenised as if the policy wrote them.
 
     After a call whose result differs from the guide's, later calls chain from the actual result (their
     first argument) and the answer is the last result, so a perturbed demonstration stays consistent.
     ``plan`` is appended to the user message and ``hint = (turn, text)`` is a user message before that turn,
-    both kept as (untrained) context: a demonstration of following guidance.
+    both kept as (untrained) context: a demonstration of following guidance. Calls are written in
+    ``tool_format`` and the prompt lists the environment's tools, as the engine renders them.
     """
-    runner = ToolRunner(env)
+    runner = ToolRunner(env, tool_format)
     user = task.prompt if plan is None else f"{task.prompt} {plan}"
     if hint is not None and hint[0] == 0:
-        prompt, _ = renderer.prompt_with_hint(env.system_prompt(), user, hint[1])
+        prompt, _ = renderer.prompt_with_hint(env.system_prompt(), user, hint[1], runner.tools)
     else:
-        prompt = renderer.prompt(env.system_prompt(), user)
+        prompt = renderer.prompt(env.system_prompt(), user, runner.tools)
     tr = Trajectory(task.id, task.family, task.level, group, prompt, list(prompt))
     guide = list(task.action_guide if actions is None else actions)
     last_obs = None
@@ -84,7 +86,7 @@ def reference_trajectory(env: Environment, task, renderer: ChatRenderer, group: 
                 action = Action("answer", (last_obs,))
             elif action.args:
                 action = Action(action.tool, (last_obs, *action.args[1:]))
-        text = action.render()
+        text = runner.render(action)
         for tok in [*renderer.encode_turn(text), renderer.end_of_turn]:
             tr.ids.append(tok), tr.origin.append(Origin.POLICY), tr.logprobs.append(0.0), tr.turn.append(t)
         step = runner.step(task, text)
@@ -105,7 +107,8 @@ def reference_trajectory(env: Environment, task, renderer: ChatRenderer, group: 
     return tr
 
 
-def guided_demonstration(env: Environment, task, renderer: ChatRenderer, rng: np.random.Generator) -> Trajectory:
+def guided_demonstration(env: Environment, task, renderer: ChatRenderer, rng: np.random.Generator,
+                         tool_format: str = "builtin") -> Trajectory:
     """A clean demonstration that follows guidance in its context: half the time a plan listing the first m
     reference actions (m uniform), otherwise a hint with the evidence of rubric item k before the turn that
     achieves it (k uniform). It teaches the built-in model to read the guidance the interventions give; a
@@ -117,24 +120,45 @@ def guided_demonstration(env: Environment, task, renderer: ChatRenderer, rng: np
     n = len(task.action_guide)
     complete = task.level == 0
     if rng.random() < 0.5:
-        return reference_trajectory(env, task, renderer, plan=plan_text(task, n if complete else int(rng.integers(1, n + 1))))
+        inline = ToolRunner(env, tool_format).inline
+        return reference_trajectory(env, task, renderer, tool_format=tool_format,
+                                    plan=plan_text(task, n if complete else int(rng.integers(1, n + 1)), inline))
     k = 0 if complete else int(rng.integers(n))
-    return reference_trajectory(env, task, renderer, hint=(k, hint_text(task, k)))
+    return reference_trajectory(env, task, renderer, hint=(k, hint_text(task, k)), tool_format=tool_format)
 
 
-def _cache_key(cfg: Config, vocab: list[str]) -> str:
+def _cache_key(cfg: Config, base: str) -> str:
+    """Everything that determines a warm-started model: the config's model and warm-start sections, the
+    families, seeds and tool format, and ``base`` (the built-in vocabulary, or a checkpoint's fingerprint)."""
     ws = {k: v for k, v in cfg.to_dict()["warmstart"].items() if k != "cache_dir"}
-    blob = json.dumps({"v": CACHE_VERSION, "model": cfg.to_dict()["model"], "warmstart": ws,
-                       "families": cfg.env.families, "env_seed": cfg.env.seed, "seed": cfg.run.seed,
-                       "vocab": hashlib.sha256(" ".join(vocab).encode()).hexdigest()}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    key = {"v": CACHE_VERSION, "model": cfg.to_dict()["model"], "warmstart": ws, "families": cfg.env.families,
+           "env_seed": cfg.env.seed, "seed": cfg.run.seed, "vocab": base}
+    if cfg.rollout.tool_format != "builtin":  # (the built-in format's keys predate the field)
+        key["tool_format"] = cfg.rollout.tool_format
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def checkpoint_fingerprint(path: str | Path) -> str:
+    """Identifies a model directory's contents: a hash of its small files and of the name, size and
+    modification time of its weight files (hashing gigabytes of weights on every start would be slow)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(path).iterdir()):
+        if not f.is_file():
+            continue
+        st = f.stat()
+        h.update(f.name.encode())
+        if st.st_size < 16 * 2**20:
+            h.update(f.read_bytes())
+        else:
+            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
 
 
 def demonstration_batches(renderer: ChatRenderer, envs: dict[str, Environment], cfg: Config):
     """The warm start's batches, in order: ``warmstart.steps`` lists of ``warmstart.batch_size`` reference
     trajectories (families alternating; a share ``guided_share`` guided, the rest from the imperfect
     demonstrator), drawn from one generator seeded by ``run.seed``."""
-    ws = cfg.warmstart
+    ws, fmt = cfg.warmstart, cfg.rollout.tool_format
     rng = np.random.default_rng([cfg.run.seed, 7919])
     names = sorted(envs)
     alternatives: dict[str, list[str]] = {}  # values each tool's second argument takes in the action guides
@@ -153,12 +177,12 @@ def demonstration_batches(renderer: ChatRenderer, envs: dict[str, Environment], 
             guided = rng.random() < ws.guided_share
             task = env.demonstration_task(rng, (ws.guided_levels or ws.levels) if guided else ws.levels, guided)
             if guided:
-                tr = guided_demonstration(env, task, renderer, rng)
+                tr = guided_demonstration(env, task, renderer, rng, fmt)
             else:
-                tr = reference_trajectory(env, task, renderer,
+                tr = reference_trajectory(env, task, renderer, tool_format=fmt,
                                           actions=demonstration(task, rng, ws.noise, alternatives))
                 if not all(st.ok for st in tr.steps):  # a perturbed call left the tool's range: use the guide
-                    tr = reference_trajectory(env, task, renderer)
+                    tr = reference_trajectory(env, task, renderer, tool_format=fmt)
             trajs.append(tr)
         yield trajs
 
@@ -172,7 +196,7 @@ class RehearsalSource:
 
     def __init__(self, renderer: ChatRenderer, envs: dict[str, Environment], cfg: Config):
         self.renderer, self.envs, self.names = renderer, envs, sorted(envs)
-        self.seed, self.levels = cfg.run.seed, list(cfg.warmstart.levels)
+        self.seed, self.levels, self.fmt = cfg.run.seed, list(cfg.warmstart.levels), cfg.rollout.tool_format
         self.begin_step(0)
 
     def begin_step(self, step: int) -> None:
@@ -185,7 +209,7 @@ class RehearsalSource:
             env = self.envs[self.names[self.k % len(self.names)]]
             self.k += 1
             task = env.demonstration_task(self.rng, self.levels, True)
-            out.append(guided_demonstration(env, task, self.renderer, self.rng))
+            out.append(guided_demonstration(env, task, self.renderer, self.rng, self.fmt))
         return out
 
 
@@ -211,28 +235,37 @@ def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg:
 
 
 def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
-    """(model, tokenizer, info): a checkpoint from ``model.path``, or the built-in model (warm-started, cached)."""
+    """(model, tokenizer, info): the built-in model or the checkpoint at ``model.path``, warm-started (SFT on
+    reference trajectories in the model's own chat template and tool-call format) unless
+    ``warmstart.enabled`` is false, and cached under ``warmstart.cache_dir``."""
     if cfg.model.path:
         model, tok = load_policy(cfg.model.path)
-        return model, tok, {"source": cfg.model.path, "warmstart": "skipped (model.path given)"}
-    vocab = vocabulary(envs)
-    key = _cache_key(cfg, vocab)
+        if not cfg.warmstart.enabled:
+            return model, tok, {"source": cfg.model.path, "warmstart": "disabled"}
+        source, key = cfg.model.path, _cache_key(cfg, checkpoint_fingerprint(cfg.model.path))
+    else:
+        model = tok = None
+        source, vocab = "built-in", vocabulary(envs)
+        key = _cache_key(cfg, hashlib.sha256(" ".join(vocab).encode()).hexdigest())
     cache = Path(cfg.warmstart.cache_dir) / key
     if cfg.warmstart.enabled and (cache / "config.json").is_file():
         try:
             model, tok = load_policy(cache)
-            return model, tok, {"source": "built-in", "warmstart": f"cached ({cache})"}
+            return model, tok, {"source": source, "warmstart": f"cached ({cache})"}
         except (ValueError, OSError) as e:
             log.warning("warm-start cache %s unreadable (%s); rebuilding it", cache, e)
-    tok = build_word_tokenizer(vocab)
-    m = cfg.model
-    model = build_tiny_model(len(tok), hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
-                             kv_heads=m.kv_heads, intermediate_size=m.intermediate_size,
-                             max_positions=m.max_positions, seed=cfg.run.seed,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    info = {"source": "built-in", "warmstart": "disabled"}
+            if cfg.model.path:
+                model, tok = load_policy(cfg.model.path)
+    if model is None:
+        tok = build_word_tokenizer(vocab)
+        m = cfg.model
+        model = build_tiny_model(len(tok), hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,
+                                 kv_heads=m.kv_heads, intermediate_size=m.intermediate_size,
+                                 max_positions=m.max_positions, seed=cfg.run.seed,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    info = {"source": source, "warmstart": "disabled"}
     if cfg.warmstart.enabled:
         losses = warm_start(model, ChatRenderer(tok), envs, cfg, progress)
         save_policy(model, tok, cache)
-        info = {"source": "built-in", "warmstart": f"trained ({cache})", "warmstart_final_loss": losses[-1]}
+        info = {"source": source, "warmstart": f"trained ({cache})", "warmstart_final_loss": losses[-1]}
     return model, tok, info

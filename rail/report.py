@@ -43,6 +43,7 @@ def format_summary(s: dict, out: Path) -> str:
         "",
         f"easy levels {e['easy_levels']}: {e['easy_initial']:.3f} -> {e['easy_final']:.3f}   "
         f"beyond {e['beyond_levels']}: {e['beyond_initial']:.3f} -> {e['beyond_final']:.3f}",
+        *_tool_calls(s.get("tool_calls")),
         *_interventions(s.get("interventions")),
         *_controller(s.get("controller_state")),
         "boundary (levels unsolved at the start): "
@@ -51,6 +52,13 @@ def format_summary(s: dict, out: Path) -> str:
         f"outputs: {out}/summary.json, metrics.jsonl, checkpoints/",
     ]
     return "\n".join(lines)
+
+
+def _tool_calls(tc: dict | None) -> list[str]:
+    if not tc:
+        return []
+    return [f"tool calls: {tc.get('calls', 0)} executed in training rollouts, {tc.get('failed', 0)} failed "
+            f"({tc.get('malformed', 0)} malformed: not a call of a listed tool in the model's tool format)"]
 
 
 def _interventions(iv: dict | None) -> list[str]:

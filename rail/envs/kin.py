@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 
 from rail.envs.base import Action, ProceduralEnv, RubricItem, Step, Task, words
-from rail.envs.lookup import ERRORS, RELATIONS, LookupEnv
+from rail.envs.lookup import ERRORS, RELATIONS, LookupEnv, lookup_tools
 
 #: The derived relation names, four per level (tier k = names[4(k-1) : 4k]). Only names: what each one means
 #: is drawn from the environment seed, not taken from English.
@@ -105,6 +105,9 @@ class KinEnv(ProceduralEnv):
     # ----------------------------------------------------------------- tools
     def system_prompt(self) -> str:
         return SYSTEM_PROMPT
+
+    def tools(self) -> list[dict]:
+        return lookup_tools()
 
     def _call(self, task: Task, action: Action) -> tuple[str, bool, bool]:
         return self.world._call(task, action)

@@ -19,6 +19,7 @@ import numpy as np
 
 from rail.envs.base import (ERR_ANSWER_ARITY, ERR_MALFORMED, ERR_TOOL, Action, ProceduralEnv, RubricItem,
                             Step, Task, is_held_out, words)
+from rail.envs.toolcalls import function_schema
 
 RELATIONS = ("mother", "father", "boss", "friend", "mentor", "neighbor")
 
@@ -33,6 +34,17 @@ SYSTEM_PROMPT = ("you are a search agent . call lookup ( entity , relation ) to 
 
 #: Fixed words of the prompt, evidence and rubric descriptions (everything that is not a name).
 _TEMPLATE_WORDS = "start at follow then which entity do you reach the of is answer ( ) , . ? : - >"
+
+
+def lookup_tools() -> list[dict]:
+    """``lookup(entity, relation)`` and ``answer(entity)`` as JSON schemas (``lookup`` and ``kin`` share them)."""
+    return [
+        function_schema("lookup", "Follow a relation from an entity; returns the entity it leads to.",
+                        [("entity", "string", "an entity name, e.g. e12"),
+                         ("relation", "string", "the relation to follow")], enums={"relation": RELATIONS}),
+        function_schema("answer", "Give the final answer and end the episode.",
+                        [("entity", "string", "the entity the question asks for")]),
+    ]
 
 
 class LookupEnv(ProceduralEnv):
@@ -91,6 +103,9 @@ class LookupEnv(ProceduralEnv):
     # ----------------------------------------------------------------- tools
     def system_prompt(self) -> str:
         return SYSTEM_PROMPT
+
+    def tools(self) -> list[dict]:
+        return lookup_tools()
 
     def _call(self, task: Task, action: Action) -> tuple[str, bool, bool]:
         if len(action.args) != 2:
