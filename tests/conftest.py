@@ -1,0 +1,49 @@
+"""Test tiers for the optional dependencies.
+
+A test marked ``vllm``, ``trl``, ``ray`` or ``bfcl`` is skipped when its extra is not installed. CI sets
+``RAIL_REQUIRE_TIERS`` (comma-separated tier names, or ``all``): a tier named there whose extra is missing fails
+the whole session instead, because a skipped tier is not a passed tier.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+#: tier -> the module its extra provides
+TIERS = {"vllm": "vllm", "trl": "trl", "ray": "ray", "bfcl": "bfcl_eval"}
+
+
+def _available(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _required() -> set[str]:
+    raw = os.environ.get("RAIL_REQUIRE_TIERS", "").strip()
+    if raw == "all":
+        return set(TIERS)
+    return {t.strip() for t in raw.split(",") if t.strip()}
+
+
+def pytest_configure(config) -> None:
+    required = _required()
+    unknown = required - set(TIERS)
+    if unknown:
+        raise pytest.UsageError(f"RAIL_REQUIRE_TIERS names unknown tiers {sorted(unknown)}; tiers: {', '.join(TIERS)}")
+    missing = [t for t in sorted(required) if not _available(TIERS[t])]
+    if missing:
+        raise pytest.UsageError(
+            f"RAIL_REQUIRE_TIERS requires the {', '.join(missing)} tier(s), whose extras are not installed "
+            f"(modules {', '.join(TIERS[t] for t in missing)}); install them as .ci/run does")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for tier, module in TIERS.items():
+        if _available(module):
+            continue
+        skip = pytest.mark.skip(reason=f"the {tier} extra is not installed (pip install -e \".[{tier}]\"; see README)")
+        for item in items:
+            if tier in item.keywords:
+                item.add_marker(skip)
