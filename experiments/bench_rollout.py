@@ -1,7 +1,12 @@
-# Rollout throughput of the transformers engine against the model's raw batched decode rate on the same
-# shapes (the ceiling for this engine), packed against padded training passes on warm-start batches, and a
-# training step's time split into generate / score / controller / update.
+# Rollout throughput of the rollout engines on the same model and requests: the transformers engine against the
+# model's raw batched decode rate on the same shapes (the ceiling for that engine) and, with --engine vllm, the vLLM
+# engine beside it; then packed against padded training passes on warm-start batches, and a training step's time
+# split into generate / score / controller / update (built-in model only).
 # Run: .venv/bin/python experiments/bench_rollout.py [--batch 64 128 256] [--steps 5]
+#      .venv/bin/python experiments/bench_rollout.py --engine transformers vllm --batch 64 128 --skip-train
+#      .venv/bin/python experiments/make_tiny_model.py /tmp/qwen75m --hidden 768 --layers 12 --heads 12 \
+#          --kv-heads 4 --intermediate 2048 && .venv/bin/python experiments/bench_rollout.py --model /tmp/qwen75m \
+#          --engine transformers vllm --batch 64 --max-turns 2 --skip-train
 """Prints one JSON line per measurement and a final JSON summary line."""
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 
 from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
 from policy.tokenizer import ChatRenderer
-from rail.config import build_config
+from rail.config import build_config, validate
 from rail.envs import ToolRunner, make_env
 from rail.policy_setup import make_policy
 
@@ -64,43 +69,81 @@ def packed_vs_padded(model, renderer, envs, cfg, batches: int = 8, repeats: int 
             "packed_speedup": round(times["padded"] / times["packed"], 2)}
 
 
+def engine_rate(eng, reqs, params) -> tuple[float, list]:
+    """Tokens/s of one ``generate`` over ``reqs`` (after a warm-up on a few of them), and the trajectories."""
+    eng.generate(reqs[:8], params, seed=0)  # warm-up
+    eng.stats.__init__()
+    t = time.perf_counter()
+    trajs = eng.generate(reqs, params, seed=1)
+    return sum(tr.n_generated for tr in trajs) / (time.perf_counter() - t), trajs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--engine", nargs="+", default=["transformers"], choices=["transformers", "vllm"],
+                    help="engines to measure on the same model and requests, in one run")
+    ap.add_argument("--model", default="", help="a Hugging Face model directory (default: the built-in model, warm-started)")
+    ap.add_argument("--tool-format", default="", help="rollout.tool_format (default: builtin, or hermes with --model)")
+    ap.add_argument("--max-turns", type=int, default=0, help="rollout.max_turns (0: the config's)")
     ap.add_argument("--steps", type=int, default=5, help="training steps for the time split")
+    ap.add_argument("--skip-train", action="store_true", help="only the rollout engines")
     ap.add_argument("--threads", type=int, default=0)
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    cfg = build_config("default", sets=[{"tracking": {"uri": ""}}])
+    sets = [{"tracking": {"uri": ""}, "rollout": {"tool_format": a.tool_format or ("hermes" if a.model else "builtin")}}]
+    if a.model:
+        sets.append({"model": {"path": a.model}, "warmstart": {"enabled": False}})
+    if a.max_turns:
+        sets.append({"rollout": {"max_turns": a.max_turns}})
+    cfg = build_config("default", sets=sets)
+    validate(cfg)
     envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
     model, tok, _ = make_policy(cfg, envs)
     renderer = ChatRenderer(tok)
     params = SamplingParams(cfg.rollout.temperature, 1.0, cfg.rollout.max_tokens_per_turn, cfg.rollout.max_turns)
+    vllm_engine = None
+    if "vllm" in a.engine:
+        from policy.vllm_engine import VLLMEngine
+        vllm_engine = VLLMEngine(model, renderer, max_model_len=int(model.config.max_position_embeddings),
+                                 kv_cache_bytes=cfg.rollout.vllm_kv_cache_mb * 2**20)
     results = []
-    for B in a.batch:
-        rng = np.random.default_rng(0)
-        reqs = []
-        for i in range(B):  # the default training mix: both families, levels 1-4
-            fam = cfg.env.families[i % len(cfg.env.families)]
-            (task,) = envs[fam].sample_tasks(rng, cfg.env.levels, 1)
-            reqs.append(RolloutRequest(task=task, env=ToolRunner(envs[fam]), system=envs[fam].system_prompt()))
-        eng = TransformersEngine(model, renderer, batch_size=B)
-        eng.generate(reqs[:8], params, seed=0)  # warm-up
-        eng.stats.__init__()
-        t = time.perf_counter()
-        trajs = eng.generate(reqs, params, seed=1)
-        dt = time.perf_counter() - t
-        gen = sum(tr.n_generated for tr in trajs)
-        ctx = int(sum(len(tr.prompt_ids) + len(tr.ids) for tr in trajs) / len(trajs))
-        steps_per_row = max(1, gen // B)
-        ceiling = raw_decode_rate(model, B, ctx // 2, steps_per_row, renderer.pad)
-        r = {"batch": B, "engine_tokens_per_s": round(gen / dt, 1), "raw_decode_tokens_per_s": round(ceiling, 1),
-             "engine_share_of_ceiling": round(gen / dt / ceiling, 3), "generated_tokens": gen,
-             "forward_calls": eng.stats.forward_calls, "tool_seconds": round(eng.stats.tool_seconds, 4),
-             "mean_context": ctx}
-        print(json.dumps(r), flush=True)
-        results.append(r)
+    try:
+        for B in a.batch:
+            rng = np.random.default_rng(0)
+            reqs = []
+            for i in range(B):  # the default training mix: every family, levels 1-4
+                fam = cfg.env.families[i % len(cfg.env.families)]
+                (task,) = envs[fam].sample_tasks(rng, cfg.env.levels, 1)
+                reqs.append(RolloutRequest(task=task, env=ToolRunner(envs[fam], cfg.rollout.tool_format),
+                                           system=envs[fam].system_prompt()))
+            r = {"batch": B, "model_parameters": sum(p.numel() for p in model.parameters())}
+            if "transformers" in a.engine:
+                eng = TransformersEngine(model, renderer, batch_size=B)
+                rate, trajs = engine_rate(eng, reqs, params)
+                gen = sum(tr.n_generated for tr in trajs)
+                ctx = int(sum(len(tr.prompt_ids) + len(tr.ids) for tr in trajs) / len(trajs))
+                ceiling = raw_decode_rate(model, B, ctx // 2, max(1, gen // B), renderer.pad)
+                r.update({"engine_tokens_per_s": round(rate, 1), "raw_decode_tokens_per_s": round(ceiling, 1),
+                          "engine_share_of_ceiling": round(rate / ceiling, 3), "generated_tokens": gen,
+                          "forward_calls": eng.stats.forward_calls, "tool_seconds": round(eng.stats.tool_seconds, 4),
+                          "mean_context": ctx})
+            if vllm_engine is not None:
+                rate, trajs = engine_rate(vllm_engine, reqs, params)
+                r.update({"vllm_tokens_per_s": round(rate, 1),
+                          "vllm_generated_tokens": sum(tr.n_generated for tr in trajs)})
+                if "engine_tokens_per_s" in r:
+                    r["vllm_over_transformers"] = round(rate / r["engine_tokens_per_s"], 3)
+            print(json.dumps(r), flush=True)
+            results.append(r)
+    finally:
+        if vllm_engine is not None:
+            vllm_engine.close()
+    if a.skip_train or a.model:
+        print(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+                          "rollout": results}))
+        return
 
     packing = packed_vs_padded(model, renderer, envs, cfg)
     print(json.dumps(packing), flush=True)
@@ -125,5 +168,5 @@ def main() -> None:
                       "rollout": results, "packing": packing, "train_step": step}))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # vLLM starts worker processes: the guard keeps them from re-running this script
     main()

@@ -94,8 +94,9 @@ def sample_tokens(
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
-class _Episode:
-    """Mutable generation state of one request."""
+class Episode:
+    """Mutable generation state of one request (shared by every engine: prompt rendering, branching from a
+    prefix, guidance marking, tool observations)."""
 
     def __init__(self, req: RolloutRequest, renderer: ChatRenderer):
         self.req = req
@@ -114,6 +115,7 @@ class _Episode:
             guidance=None if g.is_empty() else g,
         )
         self.finished = False
+        self.pending_text = ""  # the text of the turn just sampled, for the environment to execute
         if req.prefix is not None and req.prefix_turns > 0:
             self._copy_prefix(req.prefix, req.prefix_turns, renderer, None if hint_now else g.hint)
 
@@ -136,9 +138,9 @@ class _Episode:
                 tr.ids.pop(), tr.origin.pop(), tr.logprobs.pop(), tr.turn.pop()
             ids, a, b = renderer.tool_suffix_with_hint(tr.steps[-1].observation, hint)
             for i, tok in enumerate(ids):
-                self._push(tok, Origin.GUIDANCE if a <= i < b else Origin.TOOL, 0.0, last)
+                self.push(tok, Origin.GUIDANCE if a <= i < b else Origin.TOOL, 0.0, last)
 
-    def _push(self, tok: int, origin: Origin, lp: float, turn: int) -> None:
+    def push(self, tok: int, origin: Origin, lp: float, turn: int) -> None:
         tr = self.traj
         tr.ids.append(int(tok)), tr.origin.append(int(origin)), tr.logprobs.append(float(lp)), tr.turn.append(turn)
 
@@ -161,7 +163,48 @@ class _Episode:
             tr.truncated, self.finished = True, True
         else:
             for tok in renderer.tool_suffix(obs):
-                self._push(tok, Origin.TOOL, 0.0, turn)
+                self.push(tok, Origin.TOOL, 0.0, turn)
+
+
+def run_episodes(episodes: list[Episode], renderer: ChatRenderer, params: SamplingParams,
+                 max_new_tokens: int | None, sample_turn, stats: EngineStats) -> list[Trajectory]:
+    """The multi-turn loop every engine shares; only sampling differs between engines.
+
+    Guided steps are written first; then, while any episode is open, ``sample_turn(active, budget)`` samples one
+    assistant turn for every open episode (pushing its tokens and log-probs, setting ``pending_text``, taking
+    what it samples off ``budget[0]`` and marking an episode ``truncated`` when the budget ran out mid-turn), and
+    each turn is executed by its environment. Never more than ``max_new_tokens`` are sampled in total.
+    """
+    t_start = time.perf_counter()
+    budget = [max_new_tokens if max_new_tokens is not None else float("inf")]
+    tool_clock = [0.0]
+    for ep in episodes:  # guided steps are written before any sampling
+        g = ep.req.guidance
+        if g is not None and g.inject is not None and not ep.finished:
+            turn = ep.traj.n_turns
+            for tok in [*renderer.encode_turn(g.inject), renderer.end_of_turn]:
+                ep.push(tok, Origin.INJECTED, 0.0, turn)
+            ep.end_turn(g.inject, renderer, params.max_turns, tool_clock)
+    while True:
+        active = [e for e in episodes if not e.finished]
+        if not active:
+            break
+        if budget[0] < len(active):  # not even one more token each: stop everything
+            for e in active:
+                e.traj.truncated, e.finished = True, True
+            break
+        sample_turn(active, budget)
+        for e in active:
+            if e.traj.truncated:  # the token budget ran out mid-turn: do not execute a cut call
+                e.finished = True
+                continue
+            e.end_turn(e.pending_text, renderer, params.max_turns, tool_clock)
+    for e in episodes:
+        e.traj.n_generated = sum(1 for o, t in zip(e.traj.origin, e.traj.turn)
+                                 if o == Origin.POLICY and t >= e.traj.prefix_turns)
+    stats.seconds += time.perf_counter() - t_start
+    stats.tool_seconds += tool_clock[0]
+    return [e.traj for e in episodes]
 
 
 class _Chunk:
@@ -175,7 +218,7 @@ class _Chunk:
     are dropped from the cache between turns.
     """
 
-    def __init__(self, episodes: list[_Episode]):
+    def __init__(self, episodes: list[Episode]):
         self.eps = episodes
         self.cache = None
         self.attn: torch.Tensor | None = None  # (B, cache length), 1 where the cache holds a real token
@@ -231,48 +274,22 @@ class TransformersEngine:
         seed: int,
         max_new_tokens: int | None = None,
     ) -> list[Trajectory]:
-        t_start = time.perf_counter()
         gen = torch.Generator().manual_seed(int(seed))
-        episodes = [_Episode(r, self.renderer) for r in requests]
-        budget = [max_new_tokens if max_new_tokens is not None else float("inf")]
-        tool_clock = [0.0]
+        episodes = [Episode(r, self.renderer) for r in requests]
+        chunks = [_Chunk(episodes[i : i + self.batch_size]) for i in range(0, len(episodes), self.batch_size)]
+
+        def sample_turn(active: list[Episode], budget: list) -> None:
+            for ch in chunks:
+                ch.compact()
+                if ch.eps:
+                    self._sample_turn(ch, params, gen, budget)
+
         was_training = self.model.training
         self.model.eval()
         try:
-            for ep in episodes:  # guided steps are written before any sampling
-                g = ep.req.guidance
-                if g is not None and g.inject is not None and not ep.finished:
-                    turn = ep.traj.n_turns
-                    for tok in [*self.renderer.encode_turn(g.inject), self.renderer.end_of_turn]:
-                        ep._push(tok, Origin.INJECTED, 0.0, turn)
-                    ep.end_turn(g.inject, self.renderer, params.max_turns, tool_clock)
-            chunks = [_Chunk(episodes[i : i + self.batch_size]) for i in range(0, len(episodes), self.batch_size)]
-            while True:
-                active = [e for e in episodes if not e.finished]
-                if not active:
-                    break
-                if budget[0] < len(active):  # not even one more token each: stop everything
-                    for e in active:
-                        e.traj.truncated, e.finished = True, True
-                    break
-                for ch in chunks:
-                    ch.compact()
-                    if ch.eps:
-                        self._sample_turn(ch, params, gen, budget)
-                for e in active:
-                    if e.traj.truncated:  # the token budget ran out mid-turn: do not execute a cut call
-                        e.finished = True
-                        continue
-                    e.end_turn(e._pending_text, self.renderer, params.max_turns, tool_clock)
+            return run_episodes(episodes, self.renderer, params, max_new_tokens, sample_turn, self.stats)
         finally:
             self.model.train(was_training)
-        out = [e.traj for e in episodes]
-        for e in episodes:
-            e.traj.n_generated = sum(1 for o, t in zip(e.traj.origin, e.traj.turn)
-                                     if o == Origin.POLICY and t >= e.traj.prefix_turns)
-        self.stats.seconds += time.perf_counter() - t_start
-        self.stats.tool_seconds += tool_clock[0]
-        return out
 
     @staticmethod
     def _cache_of(out):
@@ -328,7 +345,7 @@ class TransformersEngine:
             for b in range(B):
                 if not alive[b]:
                     continue
-                eps[b]._push(int(tok[b]), Origin.POLICY, float(lp[b]), eps[b].traj.n_turns)
+                eps[b].push(int(tok[b]), Origin.POLICY, float(lp[b]), eps[b].traj.n_turns)
                 budget[0] -= 1
                 self.stats.generated_tokens += 1
                 if int(tok[b]) == eot:
@@ -345,5 +362,5 @@ class TransformersEngine:
             logits = self._forward(ch, step_in.to(device), alive.long()[:, None].to(device), pos.to(device))
         for b, e in enumerate(eps):
             if alive[b]:  # ran out of tokens mid-turn: close the turn with an untrained end-of-turn
-                e._push(eot, Origin.TOOL, 0.0, e.traj.n_turns)
-            e._pending_text = self.renderer.decode(texts[b])
+                e.push(eot, Origin.TOOL, 0.0, e.traj.n_turns)
+            e.pending_text = self.renderer.decode(texts[b])

@@ -78,7 +78,7 @@ class RolloutConfig:
     max_tokens_per_turn: int = F(0, "Maximum tokens per assistant turn (0: 12 with the builtin tool format, 64 with hermes or json, whose calls take more tokens).")
     batch_size: int = F(256, "Maximum episodes per forward pass (transformers engine).")
     vllm_kv_cache_mb: int = F(512, "vllm engine: memory for the KV cache, in MiB (on CPU it is RAM; vLLM's gpu_memory_utilization is not used).")
-    vllm_multiprocess: bool = F(False, "vllm engine: run vLLM's engine core in its own process (vLLM's default; starts slower) instead of in this one.")
+    vllm_multiprocess: bool = F(True, "vllm engine: run vLLM's engine core in its own process (vLLM's default). false: in this process, which starts faster but pins this process's torch threads (vLLM's CPU backend ignores torch.set_num_threads after it binds its threads).")
 
 
 @dataclass
@@ -203,7 +203,8 @@ PRESETS: dict[str, dict] = {
     # Under a minute, for tests: a smaller model, fewer tasks, a few steps.
     "smoke": {
         "run": {"name": "smoke", "steps": 3, "checkpoint_every": 2},
-        "model": {"hidden_size": 32, "layers": 2, "heads": 2, "kv_heads": 1, "intermediate_size": 64},
+        # one head of 32: the smallest head size vLLM's CPU attention kernels take (rollout.engine = "vllm")
+        "model": {"hidden_size": 32, "layers": 2, "heads": 1, "kv_heads": 1, "intermediate_size": 64},
         "warmstart": {"steps": 20, "batch_size": 16},
         "env": {"levels": [1, 2, 3]},
         "budget": {"rollouts_per_step": 16, "group_size": 4},

