@@ -323,44 +323,54 @@ class TransformersEngine:
         return self._forward(ch, ids.to(device), attn.to(device), pos.to(device))
 
     def _sample_turn(self, ch: _Chunk, params: SamplingParams, gen: torch.Generator, budget: list) -> None:
-        """Sample one assistant turn for each episode of the chunk, stopping at end-of-turn."""
+        """Sample one assistant turn for each episode of the chunk, stopping at end-of-turn.
+
+        The decode loop keeps everything in tensors (sampled tokens, log-probs, which rows were still in their
+        turn) and writes each row's turn into its record once, at the end: per-row Python per decode step
+        was a measurable share of a small model's step.
+        """
         device = next(self.model.parameters()).device
         eps = ch.eps
         logits = self._feed_pending(ch, device)
         B = len(eps)
-        alive = torch.ones(B, dtype=torch.bool)
-        texts: list[list[int]] = [[] for _ in range(B)]
+        alive = torch.ones(B, dtype=torch.bool)  # rows still sampling their turn
+        cut = torch.zeros(B, dtype=torch.bool)  # rows the token budget stopped mid-turn
+        fed = torch.tensor(ch.fed)
+        toks, lps, live = [], [], []  # per decode step: (B,) tokens, log-probs, rows that sampled
         eot, pad = self.renderer.end_of_turn, self.renderer.pad
         for k in range(params.max_tokens_per_turn):
             n_alive = int(alive.sum())
             if n_alive == 0:
                 break
             if budget[0] < n_alive:
-                for b in range(B):
-                    if alive[b]:
-                        eps[b].traj.truncated = True
+                cut = alive.clone()
                 break
             tok, lp = sample_tokens(logits, params.temperature, params.top_p, gen)
             tok, lp = tok.cpu(), lp.cpu()
-            for b in range(B):
-                if not alive[b]:
-                    continue
-                eps[b].push(int(tok[b]), Origin.POLICY, float(lp[b]), eps[b].traj.n_turns)
-                budget[0] -= 1
-                self.stats.generated_tokens += 1
-                if int(tok[b]) == eot:
-                    alive[b] = False
-                else:
-                    texts[b].append(int(tok[b]))
+            toks.append(tok), lps.append(lp), live.append(alive)
+            budget[0] -= n_alive
+            self.stats.generated_tokens += n_alive
+            alive = alive & (tok != eot)
             if k == params.max_tokens_per_turn - 1 or not bool(alive.any()):
                 break
-            step_in = torch.where(alive, tok, torch.full_like(tok, pad))[:, None]
-            pos = torch.tensor(ch.fed)[:, None]
-            for b in range(B):
-                if alive[b]:
-                    ch.fed[b] += 1
+            step_in = torch.where(alive, tok, torch.full_like(tok, pad))[:, None]  # (B, 1)
+            pos = fed[:, None].clone()  # (B, 1)
+            fed += alive.long()
             logits = self._forward(ch, step_in.to(device), alive.long()[:, None].to(device), pos.to(device))
+        ch.fed = fed.tolist()
+        T = torch.stack(toks, 1).tolist() if toks else [[] for _ in range(B)]  # (B, steps)
+        P = torch.stack(lps, 1).tolist() if toks else T
+        M = torch.stack(live, 1).tolist() if toks else T
+        open_rows, cut_rows = alive.tolist(), cut.tolist()
         for b, e in enumerate(eps):
-            if alive[b]:  # ran out of tokens mid-turn: close the turn with an untrained end-of-turn
-                e.push(eot, Origin.TOOL, 0.0, e.traj.n_turns)
-            e.pending_text = self.renderer.decode(texts[b])
+            tr, turn = e.traj, e.traj.n_turns
+            row = [(t, p) for t, p, m in zip(T[b], P[b], M[b]) if m]
+            tr.ids.extend(t for t, _ in row)
+            tr.logprobs.extend(p for _, p in row)
+            tr.origin.extend([int(Origin.POLICY)] * len(row))
+            tr.turn.extend([turn] * len(row))
+            if cut_rows[b]:
+                tr.truncated = True
+            if open_rows[b]:  # ran out of tokens mid-turn: close the turn with an untrained end-of-turn
+                e.push(eot, Origin.TOOL, 0.0, turn)
+            e.pending_text = self.renderer.decode([t for t, _ in row if t != eot])
