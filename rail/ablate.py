@@ -456,14 +456,14 @@ class AblationRunner:
     def _ws_cache(self, job: Job) -> Path | None:
         """Where this job's warm start is cached (shared by the arms of a seed); None when it has none."""
         cfg = job.cfg
-        if not cfg.warmstart.enabled or cfg.model.path:
+        if not cfg.warmstart.enabled:
             return None
         if job.seed not in self._ws_keys:
             from rail.envs import make_env
-            from rail.policy_setup import _cache_key, vocabulary
+            from rail.policy_setup import warmstart_cache
 
             envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
-            self._ws_keys[job.seed] = Path(cfg.warmstart.cache_dir) / _cache_key(cfg, vocabulary(envs))
+            self._ws_keys[job.seed] = warmstart_cache(cfg, envs)  # the path the trainer writes, by the same code
         return self._ws_keys[job.seed]
 
     def _ready(self, job: Job, running: list[Job]) -> bool:
