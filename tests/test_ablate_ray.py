@@ -50,26 +50,34 @@ def output(p: subprocess.Popen) -> str:
     return p.log.read_text()
 
 
-def marked(mark: str) -> dict[int, str]:
-    """pid -> command line of every live process whose environment carries this run's mark."""
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"  # a zombie is dead, only not yet reaped
+
+
+def marked(mark: str, also=()) -> dict[int, str]:
+    """pid -> command line of every live process whose environment carries this run's mark, and of the pids in
+    ``also`` still alive (seen marked earlier: a process that rewrites its title may overwrite its environment)."""
     found = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            if f"{MARK}={mark}".encode() in (d / "environ").read_bytes().split(b"\0"):
-                stat = (d / "stat").read_text()
-                if stat[stat.rindex(")") + 2] != "Z":  # a zombie is dead, only not yet reaped
-                    found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if (int(d.name) in also or f"{MARK}={mark}".encode() in (d / "environ").read_bytes().split(b"\0")) \
+                    and alive(int(d.name)):
+                found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:  # gone meanwhile, or not ours
             pass
     return found
 
 
-def gone(mark: str, timeout: float) -> dict[int, str]:
+def gone(mark: str, timeout: float, also=()) -> dict[int, str]:
     """Wait until no marked process is left; returns those still there after ``timeout`` seconds."""
     deadline = time.time() + timeout
-    while (left := marked(mark)) and time.time() < deadline:
+    while (left := marked(mark, also)) and time.time() < deadline:
         time.sleep(0.5)
     return left
 
@@ -212,12 +220,15 @@ def both(tmp_path_factory):
         out, cache, db, mark = tmp / name, tmp / f"ws-{name}", tmp / f"{name}.db", uuid.uuid4().hex
         p = start(out=out, cache=cache, db=db, mark=mark, backend=name, extra=extra)
         seen: set[str] = set()
+        pids: set[int] = set()
         while p.poll() is None:
+            now = marked(mark)
+            pids |= set(now)
             seen |= {cmd.split()[0].rsplit("/", 1)[-1] if not cmd.startswith("ray::") else "ray::"
-                     for cmd in marked(mark).values() if cmd}
+                     for cmd in now.values() if cmd}
             time.sleep(0.5)
         runs[name] = {"out": out, "cache": cache, "db": db, "mark": mark, "rc": p.returncode, "stdout": output(p),
-                      "seen": seen, "left": gone(mark, 30)}
+                      "seen": seen, "left": gone(mark, 30, pids)}
     runs["tmp"] = tmp
     return runs
 
@@ -289,26 +300,34 @@ def test_ctrl_c_cancels_the_tasks_and_a_killed_ablation_resumes(both, tmp_path):
     mark = uuid.uuid4().hex
     p = start(out=out, cache=cache, db=db, mark=mark, extra=six)
     wait_for_checkpoint(none, 2, p)
+    before = marked(mark)
+    assert any("rail.cli train" in cmd for cmd in before.values())
     p.send_signal(signal.SIGINT)
     assert p.wait(timeout=120) == 130, output(p)[-3000:]
     assert "interrupted; rerun the same `rail ablate` command" in output(p)
-    assert gone(mark, 30) == {}
+    assert gone(mark, 30, before) == {}
     state = json.loads((out / "ablation.json").read_text())
     assert state["status"] == "killed" and state["jobs"]["none/seed0"]["status"] == "interrupted"
     assert not (none / "summary.json").exists()
 
-    mark = uuid.uuid4().hex
-    p = start(out=out, cache=cache, db=db, mark=mark, extra=six)
+    killed = uuid.uuid4().hex
+    p = start(out=out, cache=cache, db=db, mark=killed, extra=six)
     wait_for_checkpoint(none, 4, p)
+    before = marked(killed)
     os.kill(p.pid, signal.SIGKILL)  # rail ablate only: what it started must not outlive it
     p.wait()
     assert "resume none/seed0" in output(p)
-    assert gone(mark, 60) == {}
+    jobs = [pid for pid, cmd in before.items() if "rail.cli train" in cmd]
+    deadline = time.time() + 30
+    while any(map(alive, jobs)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert jobs and not any(map(alive, jobs)), "the jobs die with their workers at once"
 
     mark = uuid.uuid4().hex
     p = start(out=out, cache=cache, db=db, mark=mark, extra=six)
     assert p.wait(timeout=600) == 0, output(p)[-3000:]
     assert gone(mark, 30) == {}
+    assert gone(killed, 120, before) == {}  # the killed run's Ray agents too, after their 60 s graceful shutdown
     state = json.loads((out / "ablation.json").read_text())
     e = state["jobs"]["none/seed0"]
     assert e["status"] == "finished" and e["action"] == "resume" and e["attempts"] == 3
@@ -318,11 +337,20 @@ def test_ctrl_c_cancels_the_tasks_and_a_killed_ablation_resumes(both, tmp_path):
         steps = [json.loads(ln)["step"] for ln in (out / arm / "seed0" / "metrics.jsonl").read_text().splitlines()
                  if "groups/zero_variance_share" in ln]
         assert steps == [1, 2, 3, 4, 5, 6]  # each step logged once across the three runs
-    # MLflow: still one parent and one child per job, resumed in place and finished
-    view = mlflow_view(db, [out])
-    assert len(view["parents"]) == 1 and view["parents"][0]["status"] == "FINISHED"
-    assert sorted(view["children"]) == ["controllers-none-seed0", "controllers-rail-seed0"]
-    assert all(c["status"] == "FINISHED" for c in view["children"].values())
+    # MLflow: one parent; each job's child run finished, none's resumed in place across the three runs (a job
+    # stopped before its first checkpoint starts afresh in a new child run, the old one closed)
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{db}")
+    runs = client.search_runs([x.experiment_id for x in client.search_experiments()], max_results=100)
+    parents = [x for x in runs if "mlflow.parentRunId" not in x.data.tags]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    children = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    for arm in ARMS.split(","):
+        final = next(x for x in children if x.info.run_id == state["jobs"][f"{arm}/seed0"]["mlflow_run_id"])
+        assert final.info.status == "FINISHED" and final.info.run_name == f"controllers-{arm}-seed0"
+    assert sum(x.info.run_name == "controllers-none-seed0" for x in children) == 1
+    assert all(x.info.status != "RUNNING" for x in children), [(x.info.run_name, x.info.status) for x in children]
 
 
 def _job_process(mark: str, run: Path) -> tuple[int, int] | None:
@@ -377,7 +405,7 @@ def test_a_job_that_raises_or_loses_its_worker_is_recorded_and_the_others_go_on(
     assert marked(mark)[worker].startswith("ray::rail-ablate rail/seed0")
     os.kill(worker, signal.SIGKILL)
     assert p.wait(timeout=600) == 1, output(p)[-3000:]
-    assert not Path(f"/proc/{child}").exists() or child not in marked(mark)  # died with its worker
+    assert not alive(child)  # died with its worker
     jobs = json.loads((out / "ablation.json").read_text())["jobs"]
     lost = jobs["rail/seed0"]
     assert lost["status"] == "failed" and lost["returncode"] == -1, lost
@@ -428,7 +456,7 @@ def test_a_job_whose_node_dies_is_recorded_and_the_others_go_on(both, tmp_path, 
         e = state[f"{lost}/seed0"]
         assert e["status"] == "failed" and e["returncode"] == -1 and e["error"].startswith("ray: "), e
         assert state[f"{kept}/seed0"]["status"] == "finished", state
-        assert jobs[lost][0] not in marked(mark)  # the lost job's training process died with its node
+        assert not alive(jobs[lost][0])  # the lost job's training process died with its node
     finally:
         cluster.shutdown()
     assert gone(mark, 30) == {}
