@@ -10,12 +10,14 @@ An ablation file (``experiments/ablations/*.toml``, docs/ablation.md) holds:
 - ``[arms.<arm>]``: an optional ``description`` and the arm's ``controller`` and ``learner`` settings (what
   decides the interventions and how their rollouts are learned from). Arms may set nothing else, so every
   arm gets the same budget, warm start, environments, evaluation and, per seed, the same base task streams
-  (the trainer derives them from ``(run.seed, step)``).
+  (the trainer derives them from ``(run.seed, step)``);
+- ``[resources]``: what each job's Ray task reserves with ``--backend ray`` (``num_cpus``, ``num_gpus``).
 
 A job's config is: the training preset < ``[base]`` < ``[preset.<P>]`` < ``--set`` < ``[arms.<arm>]`` <
 what ``rail ablate`` sets itself (``run.name``, ``run.out``, ``run.seed``, ``run.threads``,
 ``tracking.parent_run_id``). Each job runs as ``python -m rail.cli train --config <job>.toml --no-progress``
-in a worker process; a killed job is resumed with ``rail train --resume``; a finished one is skipped.
+in a worker process (``--backend process``) or in a Ray task (``--backend ray``, rail/ablate_ray.py); a killed
+job is resumed with ``rail train --resume``; a finished one is skipped.
 
 This module imports no torch at import time (the warm-start cache key is computed lazily), so a bad
 ablation file is reported at once.
@@ -41,7 +43,7 @@ from typing import Callable
 from policy.fileio import write_text_atomic
 from rail.config import Config, ConfigError, build_config, merge, validate
 
-TOP_LEVEL = ("ablation", "base", "preset", "arms")
+TOP_LEVEL = ("ablation", "base", "preset", "arms", "resources")
 ABLATION_KEYS = ("name", "description", "seeds")
 ARM_SECTIONS = ("controller", "learner")
 #: Fields ``rail ablate`` sets per job; an ablation file or ``--set`` may not.
@@ -62,6 +64,7 @@ class Ablation:
     arms: dict[str, dict]  # arm -> config overrides (controller only)
     arm_docs: dict[str, str] = field(default_factory=dict)
     text: str = ""
+    resources: dict[str, float] = field(default_factory=dict)  # [resources]: per-job Ray resources
 
     def seeds_for(self, preset: str, count: int | None = None) -> list[int]:
         if count is not None:
@@ -162,7 +165,10 @@ def load_ablation(path: str | Path) -> Ablation:
         _no_managed(table, where)
         arms[arm] = table
         docs[arm] = doc
-    ab = Ablation(p, name, description, seeds, base, presets, arms, docs, text)
+    from rail.ablate_ray import parse_resources  # (imports no ray)
+
+    resources = parse_resources(raw.get("resources", {}), str(p))
+    ab = Ablation(p, name, description, seeds, base, presets, arms, docs, text, resources)
     for pname in sorted({"default", *presets}):  # a typo anywhere fails now, not after an hour
         for arm in arms:
             arm_config(ab, arm, pname, 0, Path("."))
@@ -250,7 +256,7 @@ class Job:
     dir: Path
     cfg: Config
     action: str = "start"  # start | resume | skip
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | None = None  # or the backend's handle with the same poll/wait/send_signal/kill
     started: float = 0.0
     builder: bool = False  # started while its seed's warm start was not cached: it trains it
     err_offset: int = 0
@@ -409,13 +415,54 @@ class Parent:
         self._call(do)
 
 
+# ---------------------------------------------------------------------------- where jobs run
+class ProcessBackend:
+    """Each job a ``rail train`` child process of this one, on this machine."""
+
+    name = "process"
+    signals_reach_jobs = True  # a Ctrl-C in the terminal reaches the children too (one process group)
+
+    def threads(self, workers: int) -> int:
+        return max(1, _cores() // workers)
+
+    def describe(self, workers: int, threads: int) -> str:
+        return f"{workers} workers x {threads} threads"
+
+    def __enter__(self) -> "ProcessBackend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def spawn(self, job: Job, args: list[str], env: dict[str, str], lock_fd: int | None) -> subprocess.Popen:
+        with open(job.stdout, "ab") as so, open(job.stderr, "ab") as se:
+            return subprocess.Popen([sys.executable, *args], stdout=so, stderr=se, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, **env}, pass_fds=(lock_fd,) if lock_fd is not None else ())
+
+
+def make_backend(name: str, ab: Ablation, address: str | None = None, num_cpus: float | None = None,
+                 num_gpus: float | None = None):
+    """``--backend``: ``process`` (local worker processes) or ``ray`` (Ray tasks; rail/ablate_ray.py)."""
+    if name == "process":
+        for flag, value in (("--address", address), ("--num-cpus", num_cpus), ("--num-gpus", num_gpus)):
+            if value is not None:
+                raise ConfigError(f"{flag}: only with --backend ray")
+        return ProcessBackend()
+    if name == "ray":
+        from rail.ablate_ray import RayBackend, job_resources
+
+        return RayBackend(job_resources(ab.resources, num_cpus, num_gpus), address)
+    raise ConfigError(f"--backend {name}: unknown; valid: process, ray")
+
+
 # ---------------------------------------------------------------------------- the run
 class AblationRunner:
     def __init__(self, ab: Ablation, jobs: list[Job], out: Path, preset: str, workers: int,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, backend=None):
         self.ab, self.jobs, self.out, self.preset = ab, jobs, out, preset
+        self.backend = backend or ProcessBackend()
         self.workers = max(1, workers)
-        self.threads = max(1, _cores() // self.workers)
+        self.threads = self.backend.threads(self.workers)
         self.log = log
         self.state: dict = {}
         self.parent: Parent | None = None
@@ -456,14 +503,14 @@ class AblationRunner:
     def _ws_cache(self, job: Job) -> Path | None:
         """Where this job's warm start is cached (shared by the arms of a seed); None when it has none."""
         cfg = job.cfg
-        if not cfg.warmstart.enabled or cfg.model.path:
+        if not cfg.warmstart.enabled:
             return None
         if job.seed not in self._ws_keys:
             from rail.envs import make_env
-            from rail.policy_setup import _cache_key, vocabulary
+            from rail.policy_setup import warmstart_cache
 
             envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
-            self._ws_keys[job.seed] = Path(cfg.warmstart.cache_dir) / _cache_key(cfg, vocabulary(envs))
+            self._ws_keys[job.seed] = warmstart_cache(cfg, envs)  # the path the trainer writes, by the same code
         return self._ws_keys[job.seed]
 
     def _ready(self, job: Job, running: list[Job]) -> bool:
@@ -482,7 +529,7 @@ class AblationRunner:
     def _launch(self, job: Job, running: list[Job]) -> None:
         e = self._entry(job)
         if job.action == "resume":
-            cmd = [sys.executable, "-m", "rail.cli", "train", "--resume", str(job.dir), "--no-progress"]
+            args = ["-m", "rail.cli", "train", "--resume", str(job.dir), "--no-progress"]
         else:
             if (job.dir / "config.json").is_file():  # killed before its first checkpoint: nothing to resume
                 shutil.rmtree(job.dir)
@@ -493,20 +540,17 @@ class AblationRunner:
             header = (f"{self.ab.name}: arm {job.arm}, seed {job.seed} (written by rail ablate from {self.ab.path}, "
                       f"preset {self.preset})")
             write_text_atomic(job.toml, dump_toml(tables, header))
-            cmd = [sys.executable, "-m", "rail.cli", "train", "--config", str(job.toml), "--no-progress",
-                   "--set", f"run.threads={self.threads}"]
+            args = ["-m", "rail.cli", "train", "--config", str(job.toml), "--no-progress",
+                    "--set", f"run.threads={self.threads}"]
         cache = self._ws_cache(job) if job.action == "start" else None
         job.builder = cache is not None and not (cache / "config.json").is_file()
         job.dir.parent.mkdir(parents=True, exist_ok=True)
         job.err_offset = job.stderr.stat().st_size if job.stderr.exists() else 0
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads),
-               "MKL_NUM_THREADS": str(self.threads)}
-        with open(job.stdout, "ab") as so, open(job.stderr, "ab") as se:
-            job.proc = subprocess.Popen(cmd, stdout=so, stderr=se, stdin=subprocess.DEVNULL, env=env,
-                                        pass_fds=(self._lock_fd,) if self._lock_fd is not None else ())
+        env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
+        job.proc = self.backend.spawn(job, args, env, self._lock_fd)
         job.started = time.time()
-        e.update(status="running", action=job.action, command=cmd, pid=job.proc.pid, started=job.started,
-                 returncode=None, stderr_tail=[], attempts=e.get("attempts", 0) + 1)
+        e.update(status="running", action=job.action, command=job.proc.args, pid=job.proc.pid, started=job.started,
+                 returncode=None, stderr_tail=[], attempts=e.get("attempts", 0) + 1, **getattr(job.proc, "info", {}))
         self._save()
         running.append(job)
         self.log(f"[{self.ab.name}] {job.action:6s} {job.key}" + ("  (trains the warm start)" if job.builder else ""))
@@ -532,7 +576,11 @@ class AblationRunner:
                 e["returncode"] = rc
                 e["error"] = "exited 0 without writing summary.json"
             e["stderr_tail"] = _stderr_tail(job.stderr, job.err_offset)
+            if getattr(job.proc, "error", None):  # the backend's own account (e.g. the job's Ray node died)
+                e["error"] = job.proc.error
+                e["stderr_tail"].append(job.proc.error)
             msg += f" (exit code {rc}): " + (e["stderr_tail"][-1] if e["stderr_tail"] else "no stderr")
+        e.update(getattr(job.proc, "info", {}))
         rid = _child_run_id(job.dir)
         if rid:
             e["mlflow_run_id"] = rid
@@ -556,7 +604,7 @@ class AblationRunner:
                   preset=self.preset, arms=sorted(arms, key=lambda a: (order.index(a) if a in order else len(order), a)),
                   arm_descriptions={a: self.ab.arm_docs.get(a, "") for a in self.ab.arms},
                   seeds=sorted(set(st.get("seeds") or []) | {j.seed for j in self.jobs}), workers=self.workers,
-                  threads=self.threads,
+                  threads=self.threads, backend=self.backend.name,
                   tracking_uri=uri, experiment=self.jobs[0].cfg.tracking.experiment, started=time.time(),
                   finished=None, status="running")
         write_text_atomic(self.out / "ablation.toml", self.ab.text)
@@ -587,7 +635,7 @@ class AblationRunner:
                  f"{len({j.seed for j in self.jobs})} seeds, "
                  f"preset {self.preset}) in {self.out}: {skipped} finished already, "
                  f"{sum(j.action == 'resume' for j in todo)} to resume, {sum(j.action == 'start' for j in todo)} to start; "
-                 f"{self.workers} workers x {self.threads} threads")
+                 f"{self.backend.describe(self.workers, self.threads)}")
         t0 = time.time()
         running: list[Job] = []
         status = "FAILED"
@@ -611,7 +659,8 @@ class AblationRunner:
                         self._finish(j, rc)
             status = "FINISHED"
         except KeyboardInterrupt:
-            deadline = time.time() + 5  # a Ctrl-C reaches the workers too: let them stop on their own first
+            # a Ctrl-C in the terminal reaches worker processes too: let them stop on their own first
+            deadline = time.time() + (5 if self.backend.signals_reach_jobs else 0)
             while time.time() < deadline and any(j.proc.poll() is None for j in running):
                 time.sleep(0.1)
             for j in running:

@@ -52,11 +52,20 @@ def _traces_parser(sub) -> None:
 def _ablate_parser(sub) -> None:
     p = sub.add_parser("ablate", help="run a controller ablation: every arm x seed under one budget, tracked in MLflow",
                        description="Runs every (arm, seed) of an ablation file (docs/ablation.md) as `rail train` "
-                                   "worker processes; rerunning skips finished pairs and resumes killed ones.")
+                                   "worker processes or Ray tasks; rerunning skips finished pairs and resumes killed "
+                                   "ones.")
     p.add_argument("--config", required=True, help="ablation TOML file, e.g. experiments/ablations/controllers.toml")
     p.add_argument("--seeds", type=int, help="run seeds 0..N-1 (default: the file's ablation.seeds)")
     p.add_argument("--workers", type=int, help="parallel training processes (default: one per core, at most the jobs); "
-                                               "each gets cores // workers torch threads")
+                                               "each gets cores // workers torch threads. With --backend ray: at "
+                                               "most this many jobs submitted at once (default: all)")
+    p.add_argument("--backend", choices=("process", "ray"), default="process",
+                   help="where jobs run: worker processes here, or Ray tasks (needs the ray extra)")
+    p.add_argument("--address", help="--backend ray: join this Ray cluster (HOST:PORT, or auto) instead of starting "
+                                     "a local Ray instance")
+    p.add_argument("--num-cpus", type=float, help="--backend ray: CPUs per job (resources.num_cpus, default 1); "
+                                                  "the job trains with that many threads")
+    p.add_argument("--num-gpus", type=float, help="--backend ray: GPUs per job (resources.num_gpus, default 0)")
     p.add_argument("--preset", default="default", help="training preset of every arm: default, smoke (seconds per run)")
     p.add_argument("--out", help="output directory (default runs/ablate-<name>); runs go in <out>/<arm>/seed<k>/")
     p.add_argument("--tracking-uri", help="tracking.uri of every run ('' disables MLflow)")
@@ -137,7 +146,7 @@ def cmd_traces(a: argparse.Namespace) -> int:
 def cmd_ablate(a: argparse.Namespace) -> int:
     import os
 
-    from rail.ablate import AblationRunner, classify, load_ablation, plan_jobs
+    from rail.ablate import AblationRunner, classify, load_ablation, make_backend, plan_jobs
 
     ab = load_ablation(a.config)
     arms = [x.strip() for x in a.arms.split(",") if x.strip()] if a.arms else None
@@ -148,15 +157,20 @@ def cmd_ablate(a: argparse.Namespace) -> int:
     out = Path(a.out or os.path.join("runs", f"ablate-{ab.name}"))
     jobs = plan_jobs(ab, a.preset, out, arms=arms, seeds=a.seeds, sets=[parse_set(s) for s in a.set],
                      tracking_uri=a.tracking_uri)
-    workers = a.workers or max(1, min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                      else (os.cpu_count() or 1)))
+    backend = make_backend(a.backend, ab, address=a.address, num_cpus=a.num_cpus, num_gpus=a.num_gpus)
+    if a.backend == "ray":
+        workers = a.workers or len(jobs)  # the cluster's resources decide how many run at once
+    else:
+        workers = a.workers or max(1, min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                          else (os.cpu_count() or 1)))
     if a.dry_run:
         for j in jobs:
             print(f"{classify(j):6s} {j.key:28s} {j.dir}")
-        print(f"{len(jobs)} jobs, {workers} workers")
+        print(f"{len(jobs)} jobs: {backend.describe(workers, backend.threads(workers))}")
         return 0
     try:
-        return AblationRunner(ab, jobs, out, a.preset, workers).run(report=not a.no_report)
+        with backend:  # Ray: connects, or starts a local instance, and stops it at the end
+            return AblationRunner(ab, jobs, out, a.preset, workers, backend=backend).run(report=not a.no_report)
     except KeyboardInterrupt:
         print(f"rail: interrupted; rerun the same `rail ablate` command to resume ({out})", file=sys.stderr)
         return 130

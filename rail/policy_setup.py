@@ -138,6 +138,16 @@ def _cache_key(cfg: Config, base: str) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def warmstart_cache(cfg: Config, envs: dict[str, Environment]) -> Path:
+    """The directory under ``warmstart.cache_dir`` that holds (or will hold) this config's warm-started model.
+    ``rail ablate`` asks it too, to start a seed's other arms only once the first has cached it."""
+    if cfg.model.path:
+        base = checkpoint_fingerprint(cfg.model.path)
+    else:
+        base = hashlib.sha256(" ".join(vocabulary(envs)).encode()).hexdigest()
+    return Path(cfg.warmstart.cache_dir) / _cache_key(cfg, base)
+
+
 def checkpoint_fingerprint(path: str | Path) -> str:
     """Identifies a model directory's contents: a hash of its small files and of the name, size and
     modification time of its weight files (hashing gigabytes of weights on every start would be slow)."""
@@ -242,12 +252,11 @@ def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
         model, tok = load_policy(cfg.model.path)
         if not cfg.warmstart.enabled:
             return model, tok, {"source": cfg.model.path, "warmstart": "disabled"}
-        source, key = cfg.model.path, _cache_key(cfg, checkpoint_fingerprint(cfg.model.path))
+        source = cfg.model.path
     else:
         model = tok = None
         source, vocab = "built-in", vocabulary(envs)
-        key = _cache_key(cfg, hashlib.sha256(" ".join(vocab).encode()).hexdigest())
-    cache = Path(cfg.warmstart.cache_dir) / key
+    cache = warmstart_cache(cfg, envs)
     if cfg.warmstart.enabled and (cache / "config.json").is_file():
         try:
             model, tok = load_policy(cache)

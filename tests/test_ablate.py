@@ -226,6 +226,8 @@ def test_smoke_ablation_runs_every_arm_nested_in_one_parent_run(smoke_ablation):
     assert set(state["jobs"]) == {f"{a}/seed0" for a in ab.arms}
     assert all(e["status"] == "finished" and e["returncode"] == 0 for e in state["jobs"].values())
     assert state["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
+    # the seed's warm start was trained by its first job only; the others waited for its cache, not for the job
+    assert r.stdout.count("(trains the warm start)") == 1, r.stdout
     # every arm: same budget, same shared config; the job file is a rail train --config TOML
     spent, shared = set(), []
     for arm in ab.arms:
