@@ -100,6 +100,7 @@ class LearnerConfig:
     minibatch_size: int = F(64, "Trajectories per optimizer step.")
     eps_low: float = F(0.2, "PPO clip: lower bound 1 - eps_low on the ratio.")
     eps_high: float = F(0.28, "PPO clip: upper bound 1 + eps_high (clip-higher, DAPO).")
+    clip_ratio_c: float = F(0.0, "Dual clip (Ye et al. 2020): for A < 0 a token's loss is at most c x (-A), however far its ratio went; c > 1 (verl's default is 3). 0: off, plain PPO clipping, as the benchmarks were measured.")
     loss_agg: str = F("token_mean", "Loss aggregation: 'token_mean' (DAPO), 'seq_mean' (GRPO), 'dr_grpo' (constant).")
     adv_scale: str = F("std", "Group advantage scaling: 'std' (GRPO) or 'none' (Dr.GRPO).")
     kl_coef: float = F(0.0, "Coefficient of the k3 KL penalty to the frozen initial policy (0: no reference).")
@@ -366,6 +367,8 @@ def validate(cfg: Config) -> None:
                           f"(got {L.eps_low}, {L.eps_high})")
     if L.lr <= 0:
         raise ConfigError(f"learner.lr = {L.lr}: must be > 0")
+    if L.clip_ratio_c != 0 and not L.clip_ratio_c > 1:
+        raise ConfigError(f"learner.clip_ratio_c = {L.clip_ratio_c}: must be > 1 (verl's default is 3), or 0 for no dual clip")
     if not cfg.env.families:
         raise ConfigError("env.families is empty; name at least one of " + ", ".join(ENVIRONMENTS))
     for fam in cfg.env.families:

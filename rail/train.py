@@ -54,6 +54,7 @@ def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
     L = cfg.learner
     s = LearnerSettings(lr=L.lr, schedule=L.schedule, warmup_steps=L.warmup_steps, weight_decay=L.weight_decay,
                         epochs=L.epochs, minibatch_size=L.minibatch_size, eps_low=L.eps_low, eps_high=L.eps_high,
+                        clip_ratio_c=L.clip_ratio_c,
                         loss_agg=L.loss_agg, adv_scale=L.adv_scale, kl_coef=L.kl_coef, grad_clip=L.grad_clip,
                         drop_zero_variance=L.drop_zero_variance, mask_all_tools_failed=L.mask_all_tools_failed,
                         entropy_coef=L.entropy_coef, shift_threshold=L.shift_threshold,
