@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 from policy.fileio import write_text_atomic
-from rail.config import Config, ConfigError, build_config, merge, validate
+from rail.config import Config, ConfigError, build_config, merge, read_text, validate
 
 TOP_LEVEL = ("ablation", "base", "preset", "arms")
 ABLATION_KEYS = ("name", "description", "seeds")
@@ -93,10 +93,7 @@ def _no_managed(overrides: dict, where: str) -> None:
 def load_ablation(path: str | Path) -> Ablation:
     """Parse and check an ablation file; every error is a :class:`ConfigError` naming the file and the table."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"--config {p}: no such file") from None
+    text = read_text(p, "--config")
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
