@@ -1,7 +1,10 @@
 """Experiment tracking behind one small interface: MLflow, a JSONL file, or nothing.
 
 A tracking failure never stops training: the MLflow tracker logs one warning, then turns itself off and the
-run goes on (``metrics.jsonl`` is always written by the file tracker).
+run goes on (``metrics.jsonl`` is always written by the file tracker), and the run's summary says so. It costs
+seconds, not minutes: MLflow's own HTTP retries (7, with exponential backoff: about four minutes against a
+server that is down) are turned off and a request times out after 10 s, unless the environment sets
+``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``MLFLOW_HTTP_REQUEST_TIMEOUT`` itself.
 """
 
 from __future__ import annotations
@@ -79,14 +82,22 @@ def mlflow_metric_name(name: str) -> str:
     return re.sub(r"[^\w\-. :/]", lambda m: ":" if m.group() == "@" else "_", name)
 
 
+#: MLflow's HTTP client settings for a training process (the environment's own values win)
+HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
 class MlflowTracker(NullTracker):
-    """MLflow run; every call is guarded, and the first failure disables the tracker with one warning."""
+    """MLflow run; every call is guarded, and the first failure disables the tracker with one warning
+    (``error`` then says what failed)."""
 
     def __init__(self, uri: str, experiment: str, run_name: str, run_id: str | None = None,
                  parent_run_id: str | None = None):
         self.ok = True
+        self.error: str | None = None
         self.run_id = None
         self.client = None
+        for k, v in HTTP_SETTINGS.items():
+            os.environ.setdefault(k, v)
         try:
             import mlflow  # imported lazily: it is slow, and tracking is optional
 
@@ -108,7 +119,8 @@ class MlflowTracker(NullTracker):
 
     def _fail(self, e: Exception) -> None:
         if self.ok:
-            warnings.warn(f"MLflow tracking disabled after an error ({type(e).__name__}: {e}); "
+            self.error = f"{type(e).__name__}: {str(e)[:300]}"
+            warnings.warn(f"MLflow tracking disabled after an error ({self.error}); "
                           "training continues, metrics.jsonl is still written", stacklevel=3)
         self.ok = False
 
