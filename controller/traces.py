@@ -101,6 +101,11 @@ def replay(path: str | Path, settings: dict | None = None) -> Bandit:
     return b
 
 
+def _is(action: str, name: str) -> bool:
+    """Whether logged action ``action`` (``how@where`` or ``how@wherexK``, K rollouts) is intervention ``name``."""
+    return action == name or action.split("x")[0] == name or action.startswith(name + "x")
+
+
 def _fixed(name: str, actions: list[str]) -> list[float]:
     """A fixed controller's PMF over one event's actions."""
     k = len(actions)
@@ -109,7 +114,7 @@ def _fixed(name: str, actions: list[str]) -> list[float]:
     if name == "none":
         pick = 0
     else:  # "how@where": the first such intervention when legal, else none
-        pick = next((i for i, a in enumerate(actions) if a.split("x")[0] == name or a.startswith(name + "x")), 0)
+        pick = next((i for i, a in enumerate(actions) if _is(a, name)), 0)
     return [1.0 if i == pick else 0.0 for i in range(k)]
 
 
@@ -125,11 +130,12 @@ def evaluate(path: str | Path, policies: list[str] | None = None, alpha: float =
         raise TraceError(f"{p}: the trace holds no events")
     for e in events:
         _check_logged(e)
-    offered = {a.split("x")[0] for e in events for a in e["_actions"]}
+    offered = {a for e in events for a in e["_actions"]}
     for name in policies or []:
-        if name not in offered:  # a rule that is never legal is 'none' under another name: say so instead
+        if not any(_is(a, name) for a in offered):  # never legal: 'none' under another name, say so instead
+            shown = sorted({a.split("x")[0] if "@" in a else a for a in offered} - {"none"})
             raise TraceError(f"--policy {name}: no event of {p} offers it; its interventions: "
-                             f"{', '.join(sorted(offered - {'none'})) or 'none'}")
+                             f"{', '.join(shown) or 'none'}")
     r = [-float(e["_label_cost"]) for e in events]
     prop = [float(e["_label_probability"]) for e in events]
     chosen = [int(e["_labelIndex"]) for e in events]

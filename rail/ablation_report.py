@@ -411,8 +411,6 @@ def compare(rep: dict, learned: str = "rail") -> dict:
     missing = [a for a in rep.get("arms_missing", []) if a not in arms]
     if missing:
         lines.append("Not compared (no finished run): " + ", ".join(f"`{a}`" for a in missing) + ".")
-    if rep.get("damaged"):
-        lines.append("Left out, damaged: " + "; ".join(rep["damaged"]) + ".")
     out["text"] = " ".join(lines)
     return out
 
@@ -678,9 +676,12 @@ def write_report(root: Path, parent=None, figures: bool = True) -> dict:
     rep = summarize(state, runs)
     if not rep["arms"]:
         from rail.config import ConfigError
-        damaged = f"; damaged: {'; '.join(state['damaged'])}" if state["damaged"] else ""
+        files = [d.split(": damaged (")[0] for d in state["damaged"]]
+        damaged = f"; damaged, rerun the `rail ablate` command to rewrite them: {', '.join(files)}" if files else ""
         raise ConfigError(f"{root}: no finished run (no readable <arm>/seed<k>/summary.json){damaged}; nothing to report")
     rep["verdict"] = compare(rep)
+    if rep["damaged"]:  # whatever the comparison says, it says it without these runs
+        rep["verdict"]["text"] += " Left out, damaged: " + "; ".join(rep["damaged"])
     rep["versus_none"] = versus_none(rep)
     rep["figures"] = draw_figures(rep, root) if figures else []
     public = json.loads(json.dumps(rep, default=float))

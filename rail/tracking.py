@@ -48,7 +48,8 @@ class JsonlTracker(NullTracker):
     def __init__(self, path: Path, resume_step: int | None = None):
         self.path = path
         if resume_step is not None and path.exists():
-            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and _step_of(ln) <= resume_step]
+            text = path.read_bytes().decode("utf-8", "replace")  # a damaged line is dropped, not a crash
+            keep = [ln for ln in text.splitlines() if ln.strip() and _step_of(ln) <= resume_step]
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text("".join(ln + "\n" for ln in keep))
             os.replace(tmp, path)
@@ -82,8 +83,11 @@ def mlflow_metric_name(name: str) -> str:
     return re.sub(r"[^\w\-. :/]", lambda m: ":" if m.group() == "@" else "_", name)
 
 
-#: MLflow's HTTP client settings for a training process (the environment's own values win)
+#: MLflow's HTTP client settings in every rail process that tracks (the environment's own values win); set on
+#: import, before any MLflow request (`rail ablate`'s parent run looks its run up before it makes a tracker)
 HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+for _k, _v in HTTP_SETTINGS.items():
+    os.environ.setdefault(_k, _v)
 
 
 class MlflowTracker(NullTracker):
@@ -96,8 +100,6 @@ class MlflowTracker(NullTracker):
         self.error: str | None = None
         self.run_id = None
         self.client = None
-        for k, v in HTTP_SETTINGS.items():
-            os.environ.setdefault(k, v)
         try:
             import mlflow  # imported lazily: it is slow, and tracking is optional
 

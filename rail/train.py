@@ -45,7 +45,7 @@ from rail.interventions import Intervention
 from rail.envs import ToolRunner, make_env, rubric_status, safe_reward
 from rail.evaluate import eval_metrics, evaluate, mean_over
 from rail.policy_setup import RehearsalSource, make_policy
-from rail.rundir import RunError, RunLock, clear_partial, has_checkpoint, is_run_config, make_out
+from rail.rundir import PARTIAL, RunError, RunLock, clear_partial, has_checkpoint, is_run_config, make_out
 from rail.tracking import JsonlTracker, MlflowTracker, MultiTracker, NullTracker
 
 log = logging.getLogger("rail")
@@ -209,6 +209,8 @@ class Trainer:
             raise CheckpointError(f"{e}. Remove {root} to start this run again from the beginning") from None
         for why in skipped:
             warnings.warn(f"{why}; resuming from {ckpt.name}", stacklevel=2)
+        if skipped:  # readers (rail eval) follow the pointer: it names the checkpoint the run goes on from
+            write_text_atomic(root / "latest", ckpt.name + "\n")
         return ckpt, saved
 
     def _restore(self, ckpt: Path, saved: dict) -> None:
@@ -445,7 +447,7 @@ class Trainer:
             tc["calls"] = tc.get("calls", 0) + c
             tc["failed"] = tc.get("failed", 0) + f
             tc["malformed"] = tc.get("malformed", 0) + sum(1 for st in tr.steps if st.action is None)
-            self._step_errors["tool"] += sum(1 for st in tr.steps if getattr(st, "error", None))
+            self._step_errors["tool"] += sum(1 for st in tr.steps if st.error)
         for k, v in self._step_errors.items():
             self.state.errors[k] = self.state.errors.get(k, 0) + v
         rewards = np.array([tr.reward for tr in base])
@@ -703,7 +705,7 @@ def start_run(cfg: Config, show_progress: bool = True) -> tuple[Trainer, Path]:
             if created:
                 shutil.rmtree(out, ignore_errors=True)
             else:
-                for name in ("config.json", "metrics.jsonl", "traces", "engine", "checkpoints"):
+                for name in ("config.json", *PARTIAL):
                     p = out / name
                     shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         raise
