@@ -255,23 +255,48 @@ class LearnedController:
                 "settings": asdict(self.s)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a checkpointed state; the trace is cut back to the events it learned first (a
+        :class:`~controller.traces.TraceError`, with nothing changed, when it no longer holds them all)."""
+        if self.trace_path is not None and self.trace_path.exists():
+            self._truncate_trace(int(state["learned"]))
         self.bandit = Bandit(self.s.epsilon, self.s.lr, self.s.clip_p, self.s.bits, state=state["bandit"])
         self.mode, self.learned, self.decided = state["mode"], int(state["learned"]), int(state["decided"])
         self.passes, self.transitions = int(state["passes"]), list(state["transitions"])
         self.window = deque((tuple(w) for w in state["window"]), maxlen=self.s.window)
         self.last_gate = state.get("last_gate", {})
         self._pending = {}
-        if self.trace_path is not None and self.trace_path.exists():
-            self._truncate_trace(self.learned)
 
     def _truncate_trace(self, n: int) -> None:
-        """Keep the first ``n`` complete lines: a run killed after its last checkpoint re-decides those steps."""
-        lines = self.trace_path.read_text().splitlines(keepends=True)
-        keep = [ln for ln in lines[:n] if ln.endswith("\n")]
-        if len(keep) == len(lines):
+        """Keep the events ``_learn_seq`` 0..n-1 in order: a run killed after its last checkpoint re-decides the
+        later ones. A torn, junk or out-of-order line is dropped (with a warning); an event among the first
+        ``n`` that is missing or damaged cannot be rebuilt, so that is a TraceError naming the file."""
+        import warnings
+
+        from controller.traces import TraceError, parse_event
+
+        raw = self.trace_path.read_bytes()
+        lines = raw.split(b"\n")[:-1]  # complete lines only: what follows the last newline is a torn write
+        keep, dropped = [], []
+        for k, line in enumerate(lines, 1):
+            if len(keep) == n:
+                break
+            try:
+                ok = parse_event(line, f"{self.trace_path}:{k}").get("_learn_seq") == len(keep)
+            except TraceError:
+                ok = False
+            (keep if ok else dropped).append(line if ok else k)
+        if len(keep) < n:
+            raise TraceError(f"{self.trace_path}: holds {len(keep)} intact events of the {n} the checkpoint "
+                             f"learned (event {len(keep)} is missing or damaged)")
+        if dropped:
+            warnings.warn(f"{self.trace_path}: dropped {len(dropped)} damaged line(s) among the checkpointed "
+                          f"events (line {', '.join(map(str, dropped[:5]))}{', ...' if len(dropped) > 5 else ''})",
+                          stacklevel=2)
+        text = b"".join(ln + b"\n" for ln in keep)
+        if text == raw:
             return
         tmp = self.trace_path.with_suffix(".tmp")
-        tmp.write_text("".join(keep))
+        tmp.write_bytes(text)
         os.replace(tmp, self.trace_path)
 
     def save(self, path: str | os.PathLike) -> None:

@@ -36,6 +36,7 @@ class LearnerSettings:
     minibatch_size: int = 32
     eps_low: float = 0.2
     eps_high: float = 0.28
+    clip_ratio_c: float = 0.0  # dual clip for A < 0 (0: off)
     loss_agg: str = "token_mean"
     adv_scale: str = "std"
     kl_coef: float = 0.0
@@ -329,7 +330,7 @@ class GRPOLearner:
                                               offpolicy_mask=off, shaping_gamma=s.shaping_gamma,
                                               expert_mask=inj if s.injected_gamma > 0 else None,
                                               expert_gamma=s.injected_gamma, guided_sft=s.guided_sft,
-                                              sft_mask=off, is_weight=isw)
+                                              sft_mask=off, is_weight=isw, clip_ratio_c=s.clip_ratio_c)
                 if s.rehearsal > 0:  # PPO-ptx: keep the demonstrations' likelihood up beside the RL objective
                     nll = sft_loss(self.model, self.rehearsal_source(s.rehearsal_batch), self.pad_id)
                     loss = loss + s.rehearsal * nll

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from policy.engine import RolloutEngine, RolloutRequest, SamplingParams
 from rail.config import Config
-from rail.envs import Environment, ToolRunner
+from rail.envs import Environment, ToolRunner, safe_reward
 
 
 def evaluate(engine: RolloutEngine, envs: dict[str, Environment], cfg: Config, seed: int) -> dict[str, dict[str, float]]:
@@ -21,7 +21,7 @@ def evaluate(engine: RolloutEngine, envs: dict[str, Environment], cfg: Config, s
     trajs = engine.generate(requests, params, seed=seed)
     totals: dict[tuple[str, str], list[float]] = {}
     for (fam, lv), req, tr in zip(keys, requests, trajs):
-        totals.setdefault((fam, lv), []).append(envs[fam].reward(req.task, tr.steps))
+        totals.setdefault((fam, lv), []).append(safe_reward(envs[fam], req.task, tr.steps)[0])  # a failure: 0
     out: dict[str, dict[str, float]] = {}
     for (fam, lv), rs in totals.items():
         out.setdefault(fam, {})[lv] = sum(rs) / len(rs)

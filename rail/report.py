@@ -44,6 +44,7 @@ def format_summary(s: dict, out: Path) -> str:
         f"easy levels {e['easy_levels']}: {e['easy_initial']:.3f} -> {e['easy_final']:.3f}   "
         f"beyond {e['beyond_levels']}: {e['beyond_initial']:.3f} -> {e['beyond_final']:.3f}",
         *_tool_calls(s.get("tool_calls")),
+        *_errors(s.get("errors"), s.get("tracking")),
         *_interventions(s.get("interventions")),
         *_controller(s.get("controller_state")),
         "boundary (levels unsolved at the start): "
@@ -59,6 +60,18 @@ def _tool_calls(tc: dict | None) -> list[str]:
         return []
     return [f"tool calls: {tc.get('calls', 0)} executed in training rollouts, {tc.get('failed', 0)} failed "
             f"({tc.get('malformed', 0)} malformed: not a call of a listed tool in the model's tool format)"]
+
+
+def _errors(errors: dict | None, tracking: dict | None) -> list[str]:
+    """What went wrong without stopping the run: broken verdicts, failing tools, tracking switched off."""
+    out = []
+    if errors and (errors.get("reward") or errors.get("tool")):
+        out.append(f"errors: {errors.get('reward', 0)} trajectories got reward 0 because the verifier failed, "
+                   f"{errors.get('tool', 0)} tool calls failed inside the tool (errors/reward, errors/tool)")
+    if tracking and tracking.get("status") == "failed":
+        out.append(f"tracking FAILED: MLflow at {tracking['uri']} was switched off ({tracking['error']}); "
+                   "metrics.jsonl and summary.json hold everything")
+    return out
 
 
 def _interventions(iv: dict | None) -> list[str]:

@@ -19,30 +19,33 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from policy.checkpoint import latest_checkpoint, load_optimizer_state, save_checkpoint, verify_checkpoint
+from controller.traces import TraceError
+from policy.checkpoint import (CheckpointError, find_checkpoint, load_optimizer_state, remove_stale_temps,
+                               save_checkpoint, verify_checkpoint)
 from policy.fileio import write_text_atomic
 from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
 from policy.learner import GRPOLearner, LearnerSettings
 from policy.model import count_parameters, load_policy
 from policy.tokenizer import ChatRenderer
 from rail.budget import BudgetLedger, cost_of
-from rail.config import Config, merge, validate
+from rail.config import Config, merge, read_json, validate
 from rail import interventions
 from rail.controllers import CONTROLLERS, GroupView, Menu, Outcome
 from rail.interventions import Intervention
-from rail.envs import ToolRunner, make_env, rubric_status
+from rail.envs import ToolRunner, make_env, rubric_status, safe_reward
 from rail.evaluate import eval_metrics, evaluate, mean_over
 from rail.policy_setup import RehearsalSource, make_policy
+from rail.rundir import PARTIAL, RunError, RunLock, clear_partial, has_checkpoint, is_run_config, make_out
 from rail.tracking import JsonlTracker, MlflowTracker, MultiTracker, NullTracker
 
 log = logging.getLogger("rail")
@@ -54,6 +57,7 @@ def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
     L = cfg.learner
     s = LearnerSettings(lr=L.lr, schedule=L.schedule, warmup_steps=L.warmup_steps, weight_decay=L.weight_decay,
                         epochs=L.epochs, minibatch_size=L.minibatch_size, eps_low=L.eps_low, eps_high=L.eps_high,
+                        clip_ratio_c=L.clip_ratio_c,
                         loss_agg=L.loss_agg, adv_scale=L.adv_scale, kl_coef=L.kl_coef, grad_clip=L.grad_clip,
                         drop_zero_variance=L.drop_zero_variance, mask_all_tools_failed=L.mask_all_tools_failed,
                         entropy_coef=L.entropy_coef, shift_threshold=L.shift_threshold,
@@ -98,10 +102,6 @@ def close_engine(engine) -> None:
         close()
 
 
-class RunError(RuntimeError):
-    """A run that cannot start or continue; the message says why and what to do."""
-
-
 def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
 
@@ -121,6 +121,7 @@ class RunState:
     interventions: dict = field(default_factory=dict)  # how@where -> totals of STAT_KEYS over the run
     intervention_totals: dict = field(default_factory=dict)  # rescued / zero-variance group counts over the run
     tool_calls: dict = field(default_factory=dict)  # calls / failed / malformed, every rollout of the run
+    errors: dict = field(default_factory=dict)  # reward / tool: verifier and tool failures over the run
 
 
 STAT_KEYS = ("decisions", "rollouts", "cost", "successes", "probes", "accepted", "rejected", "rescued")
@@ -135,10 +136,11 @@ class Trainer:
         self.envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
         self.runners = {f: ToolRunner(e, cfg.rollout.tool_format) for f, e in self.envs.items()}
         self.state = RunState()
+        self.lock: RunLock | None = None  # the run directory's, when start_run / resume_run took it
         ckpt = None
         if resume:
-            ckpt = latest_checkpoint(out / "checkpoints")
-            saved = verify_checkpoint(ckpt)
+            self.controller = CONTROLLERS[cfg.controller.name](config=cfg, out=out)
+            ckpt, saved = self._pick_checkpoint()  # restores the controller, whose trace must cover it
             self.model, self.tokenizer = load_policy(ckpt / "model")
             self.policy_info = {"source": f"checkpoint {ckpt}"}
         else:
@@ -148,7 +150,8 @@ class Trainer:
         self.rehearsal = RehearsalSource(self.renderer, self.envs, cfg) if cfg.learner.rehearsal > 0 else None
         self.learner = GRPOLearner(self.model, learner_settings(cfg), total_steps=cfg.run.steps,
                                    pad_id=self.renderer.pad, rehearsal_source=self.rehearsal)
-        self.controller = CONTROLLERS[cfg.controller.name](config=cfg, out=out)
+        if not resume:
+            self.controller = CONTROLLERS[cfg.controller.name](config=cfg, out=out)
         self.ledger = BudgetLedger(cfg.budget.unit, cfg.step_budget(), cfg.budget.total)
         if ckpt is not None:
             self._restore(ckpt, saved)
@@ -157,6 +160,8 @@ class Trainer:
         self.tracker = self._trackers(resume)
         self.timings: dict[str, float] = {"generate": 0.0, "score": 0.0, "controller": 0.0, "update": 0.0,
                                           "eval": 0.0}
+        self._step_errors = {"reward": 0, "tool": 0}  # this step's verifier and tool failures
+        self._warned_reward: set[str] = set()
 
     # ------------------------------------------------------------------ setup helpers
     def _ws_progress(self):
@@ -175,9 +180,10 @@ class Trainer:
 
     def _trackers(self, resume: bool):
         jsonl = JsonlTracker(self.out / "metrics.jsonl", resume_step=self.state.step if resume else None)
+        self.mlflow = None
         if not self.cfg.tracking.uri:
             return MultiTracker(jsonl, NullTracker())
-        ml = MlflowTracker(self.cfg.tracking.uri, self.cfg.tracking.experiment, self.cfg.run.name,
+        self.mlflow = ml = MlflowTracker(self.cfg.tracking.uri, self.cfg.tracking.experiment, self.cfg.run.name,
                            run_id=self.state.mlflow_run_id if resume else None,
                            parent_run_id=self.cfg.tracking.parent_run_id or None)
         self.state.mlflow_run_id = ml.run_id
@@ -186,10 +192,32 @@ class Trainer:
             ml.log_artifact(self.out / "config.json")
         return MultiTracker(jsonl, ml)
 
+    def _pick_checkpoint(self) -> tuple[Path, dict]:
+        """The newest checkpoint that verifies and whose controller state the trace on disk still covers; a
+        damaged newer one is passed over with a warning (the steps after the one chosen are run again, drawing
+        what they drew before)."""
+        root = self.out / "checkpoints"
+        remove_stale_temps(root)
+
+        def accept(path: Path, saved: dict) -> None:
+            try:
+                self.controller.load_state_dict(saved.get("controller", {}))
+            except TraceError as e:
+                raise CheckpointError(f"{path}: its controller state does not match the trace ({e})") from None
+
+        try:
+            ckpt, saved, skipped = find_checkpoint(root, accept)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}. Remove {root} to start this run again from the beginning") from None
+        for why in skipped:
+            warnings.warn(f"{why}; resuming from {ckpt.name}", stacklevel=2)
+        if skipped:  # readers (rail eval) follow the pointer: it names the checkpoint the run goes on from
+            write_text_atomic(root / "latest", ckpt.name + "\n")
+        return ckpt, saved
+
     def _restore(self, ckpt: Path, saved: dict) -> None:
         self.learner.load_state_dict(load_optimizer_state(ckpt))
         self.ledger.load_state_dict(saved["budget"])
-        self.controller.load_state_dict(saved.get("controller", {}))
         rs = saved["run"]
         self.state = RunState(step=int(saved["step"]), wall_seconds=float(rs["wall_seconds"]),
                               eval_initial=rs["eval_initial"], eval_history=rs["eval_history"],
@@ -197,7 +225,7 @@ class Trainer:
                               tokens_per_rollout=float(rs.get("tokens_per_rollout", 0.0)),
                               interventions=rs.get("interventions", {}),
                               intervention_totals=rs.get("intervention_totals", {}),
-                              tool_calls=rs.get("tool_calls", {}))
+                              tool_calls=rs.get("tool_calls", {}), errors=rs.get("errors", {}))
         rng = saved.get("rng", {})
         if "python" in rng:
             random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
@@ -213,7 +241,8 @@ class Trainer:
             "run": {"wall_seconds": st.wall_seconds + self._elapsed(), "eval_initial": st.eval_initial,
                     "eval_history": st.eval_history, "mlflow_run_id": st.mlflow_run_id,
                     "tokens_per_rollout": st.tokens_per_rollout, "interventions": st.interventions,
-                    "intervention_totals": st.intervention_totals, "tool_calls": st.tool_calls},
+                    "intervention_totals": st.intervention_totals, "tool_calls": st.tool_calls,
+                    "errors": st.errors},
             "rng": {"python": [py[0], list(py[1]), py[2]], "torch": torch.get_rng_state().tolist()},
         }
         save_checkpoint(self.out / "checkpoints", st.step, self.model, self.tokenizer,
@@ -237,11 +266,13 @@ class Trainer:
         for tr in trajs:
             fam, task = tasks[tr.group]
             env = self.envs[fam]
-            r = env.reward(task, tr.steps)
-            if not isinstance(r, (int, float)) or not math.isfinite(r) or not 0.0 <= r <= 1.0:
-                raise RunError(f"environment '{fam}' returned reward {r!r} for task {task.id}; rewards must be "
-                               f"finite and in [0, 1]. Fix the verifier; the last checkpoint is kept.")
-            tr.reward = float(r)
+            tr.reward, why = safe_reward(env, task, tr.steps)
+            if why is not None:  # reward 0 for this trajectory, counted; the first per family is also said
+                self._step_errors["reward"] += 1
+                if fam not in self._warned_reward:
+                    self._warned_reward.add(fam)
+                    warnings.warn(f"environment '{fam}': the verifier {why} for task {task.id}; that trajectory "
+                                  "gets reward 0 and training goes on (counted as errors/reward)", stacklevel=2)
             tr.rubric = rubric_status(env, task, tr.steps)
 
     def _base_requests(self, tasks, first_group: int, n: int) -> list[RolloutRequest]:
@@ -368,6 +399,7 @@ class Trainer:
 
     def step(self, step: int) -> dict[str, float]:
         cfg, g = self.cfg, self.cfg.budget.group_size
+        self._step_errors = {"reward": 0, "tool": 0}
         budget = self.ledger.open_step()
         t = time.perf_counter()
         n_groups = self.controller.plan_base(budget.limit, g, cfg.budget.unit,
@@ -417,6 +449,9 @@ class Trainer:
             tc["calls"] = tc.get("calls", 0) + c
             tc["failed"] = tc.get("failed", 0) + f
             tc["malformed"] = tc.get("malformed", 0) + sum(1 for st in tr.steps if st.action is None)
+            self._step_errors["tool"] += sum(1 for st in tr.steps if st.error)
+        for k, v in self._step_errors.items():
+            self.state.errors[k] = self.state.errors.get(k, 0) + v
         rewards = np.array([tr.reward for tr in base])
         m = {
             "rollout/reward_mean": float(rewards.mean()),
@@ -438,6 +473,8 @@ class Trainer:
             "shift/max": batch.stats["shift_max"],
             "shift/replayed": batch.stats["guided_replay"],
             "rollout/malformed_calls": float(sum(1 for tr in base for st in tr.steps if st.action is None)),
+            "errors/reward": float(self._step_errors["reward"]),
+            "errors/tool": float(self._step_errors["tool"]),
             "time/generate_s": t_gen, "time/score_s": t_score, "time/controller_s": t_ctl, "time/update_s": t_upd,
         }
         m.update(self._intervention_metrics(groups, outcomes, budget))
@@ -519,6 +556,15 @@ class Trainer:
         return res
 
     def run(self) -> dict:
+        """Train to ``run.steps`` (or ``budget.total``), evaluate, write ``summary.json``; the run directory's
+        lock is released however it ends."""
+        try:
+            return self._run()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def _run(self) -> dict:
         cfg = self.cfg
         if self.state.step == 0 and not self.state.eval_history:
             self.state.eval_initial = self._evaluate(0)
@@ -598,7 +644,11 @@ class Trainer:
             "boundary": boundary,
             "interventions": self._intervention_summary(),
             "tool_calls": {k: int(v) for k, v in st.tool_calls.items()},
+            "errors": {k: int(st.errors.get(k, 0)) for k in ("reward", "tool")},
             "controller_state": self.controller.summary(),
+            "tracking": {"uri": cfg.tracking.uri,
+                         "status": "off" if self.mlflow is None else "ok" if self.mlflow.ok else "failed",
+                         "error": None if self.mlflow is None else self.mlflow.error},
             "time": {k: round(v, 3) for k, v in self.timings.items()},
         }
 
@@ -630,47 +680,87 @@ class Trainer:
 
 
 def start_run(cfg: Config, show_progress: bool = True) -> tuple[Trainer, Path]:
+    """A new run in ``run.out``: refused when the directory holds a run with a checkpoint or a summary (resume
+    it instead) or another process is in it; a run there that was stopped before its first checkpoint has
+    nothing finished, so it is replaced."""
     out = resolve_out(cfg)
-    if (out / "config.json").exists():
-        raise RunError(f"{out} already holds a run; resume it with `rail train --resume {out}` "
-                       "or choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=1))
+    created = make_out(out)
+    lock = RunLock(out)
     try:
-        return Trainer(cfg, out, show_progress=show_progress), out
+        if (out / "config.json").exists():
+            if (out / "summary.json").exists() or has_checkpoint(out):
+                raise RunError(f"{out} already holds a run; resume it with `rail train --resume {out}` "
+                               "or choose another --out")
+            if not is_run_config(out / "config.json"):
+                raise RunError(f"{out}: holds a config.json that is not a rail run's; choose another --out")
+            clear_partial(out, "holds a run stopped before its first checkpoint")
+        write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=1))
     except BaseException:
-        if not (out / "checkpoints").exists():  # nothing worth keeping yet
-            import shutil
-            shutil.rmtree(out, ignore_errors=True)
+        lock.release()
         raise
+    try:
+        trainer = Trainer(cfg, out, show_progress=show_progress)
+    except BaseException:
+        lock.release()
+        if not has_checkpoint(out):  # nothing worth keeping yet
+            import shutil
+            if created:
+                shutil.rmtree(out, ignore_errors=True)
+            else:
+                for name in ("config.json", *PARTIAL):
+                    p = out / name
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        raise
+    trainer.lock = lock
+    return trainer, out
+
+
+def read_run_config(run_dir: Path) -> Config:
+    """The config a run was started with (its ``config.json``); a clear error naming the file when it is damaged."""
+    cpath = Path(run_dir) / "config.json"
+    raw = read_json(cpath, fix="the run's configuration is damaged; restore the file, or start a new run "
+                               "with another --out")
+    cfg = merge(Config(), raw, str(cpath))
+    validate(cfg)
+    return cfg
 
 
 def resume_run(out: Path, show_progress: bool = True) -> tuple[Trainer, Path]:
-    cpath = out / "config.json"
-    if not cpath.is_file():
+    """Continue the run in ``out`` from its newest usable checkpoint; a run stopped before its first checkpoint
+    starts again from the beginning with its own config (nothing of it was finished)."""
+    out = Path(out)
+    if not (out / "config.json").is_file():
         raise RunError(f"{out}: no config.json; not a rail run directory")
+    lock = RunLock(out)
     try:
-        raw = json.loads(cpath.read_text())
-    except json.JSONDecodeError as e:
-        raise RunError(f"{cpath}: corrupt ({e})") from None
-    cfg = merge(Config(), raw, str(cpath))
-    validate(cfg)
-    return Trainer(cfg, out, resume=True, show_progress=show_progress), out
+        cfg = read_run_config(out)
+        if has_checkpoint(out):
+            trainer = Trainer(cfg, out, resume=True, show_progress=show_progress)
+        else:
+            clear_partial(out, "no checkpoint yet (the run was stopped before its first one)")
+            trainer = Trainer(cfg, out, show_progress=show_progress)
+    except BaseException:
+        lock.release()
+        raise
+    trainer.lock = lock
+    return trainer, out
 
 
 def resolve_checkpoint(path: Path) -> tuple[Path, Config]:
-    """(checkpoint directory, the run's config) for a run directory (its latest checkpoint) or a checkpoint
-    directory inside one; the checkpoint's checksums are verified."""
+    """(checkpoint directory, the run's config) for a run directory (its newest usable checkpoint) or a
+    checkpoint directory inside one; the checkpoint's checksums are verified."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
-        run_dir, ckpt = path, latest_checkpoint(path / "checkpoints")
+        run_dir = path
+        ckpt, _, skipped = find_checkpoint(path / "checkpoints")
+        for why in skipped:
+            warnings.warn(f"{why}; evaluating {ckpt.name}", stacklevel=2)
     elif (path / "manifest.json").exists() or (path / "model").is_dir():
         run_dir, ckpt = path.parent.parent, path
+        verify_checkpoint(ckpt)
     else:
         raise RunError(f"{path}: neither a run directory nor a checkpoint directory")
-    verify_checkpoint(ckpt)
-    raw = json.loads((run_dir / "config.json").read_text())
-    return ckpt, merge(Config(), raw, str(run_dir / "config.json"))
+    return ckpt, read_run_config(run_dir)
 
 
 def eval_checkpoint(path: Path, tasks_per_level: int | None = None, temperature: float | None = None) -> dict:

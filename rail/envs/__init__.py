@@ -12,6 +12,7 @@ from rail.envs.base import (
     ToolRunner,
     parse_action,
     rubric_status,
+    safe_reward,
 )
 from rail.envs.calc import CalcEnv
 from rail.envs.kin import KinEnv
@@ -29,5 +30,5 @@ def make_env(name: str, seed: int) -> Environment:
 
 __all__ = [
     "Action", "CalcEnv", "ENVIRONMENTS", "Environment", "KinEnv", "LookupEnv", "RubricItem", "RubricStatus", "Step",
-    "Task", "ToolRunner", "make_env", "parse_action", "rubric_status",
+    "Task", "ToolRunner", "make_env", "parse_action", "rubric_status", "safe_reward",
 ]

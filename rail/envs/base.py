@@ -12,6 +12,8 @@ Environments describe their tools as JSON schemas (:meth:`Environment.tools`, Op
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -90,6 +92,7 @@ class Step:
     observation: str
     ok: bool  # the tool call was well-formed and executed without error
     done: bool  # the episode ended on this turn (an answer was given)
+    error: str | None = None  # the tool itself failed (raised, or returned no observation string): why
 
 
 @dataclass(frozen=True)
@@ -175,7 +178,9 @@ class ToolRunner:
     :meth:`render` / :meth:`inline` write an action the way the model does (reference turns, injected steps,
     plans).
 
-    A tool that raises becomes a failed tool call with an error observation; the run goes on.
+    A tool that raises, or returns anything but ``(observation string, ok, done)``, becomes a failed tool call
+    with the observation ``error : tool failed`` and ``Step.error`` saying why (counted as ``errors/tool``); the
+    run goes on.
     """
 
     def __init__(self, env: Environment, tool_format: str = "builtin"):
@@ -194,10 +199,26 @@ class ToolRunner:
     def step(self, task: Task, text: str) -> Step:
         action = self.format.parse(text, self.tools)
         try:
-            obs, ok, done = self.env.execute(task, action)
+            out = self.env.execute(task, action)
         except Exception as e:  # noqa: BLE001 - any tool failure is data, not a crash
-            obs, ok, done = "error : tool failed", False, False
-        return Step(text=text, action=action, observation=obs, ok=ok, done=done)
+            return Step(text, action, ERR_TOOL_FAILED, False, False, error=f"raised {type(e).__name__}: {e}")
+        if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], str)
+                and all(isinstance(x, (bool, int)) for x in out[1:])):
+            return Step(text, action, ERR_TOOL_FAILED, False, False, error=f"returned {out!r:.200}")
+        obs, ok, done = out
+        return Step(text=text, action=action, observation=obs, ok=bool(ok), done=bool(done))
+
+
+def safe_reward(env: Environment, task: Task, steps: Sequence[Step]) -> tuple[float, str | None]:
+    """The verifier's reward, or ``(0.0, why)`` when it raised or returned anything but a finite number in
+    [0, 1]: one broken verdict costs its trajectory's reward, never the run (counted as ``errors/reward``)."""
+    try:
+        r = env.reward(task, steps)
+    except Exception as e:  # noqa: BLE001 - a verifier bug is data about that trajectory
+        return 0.0, f"raised {type(e).__name__}: {e}"
+    if not isinstance(r, numbers.Real) or not math.isfinite(r) or not 0.0 <= r <= 1.0:
+        return 0.0, f"returned {r!r:.200} (rewards are finite numbers in [0, 1])"
+    return float(r), None
 
 
 def words(text: str) -> list[str]:
@@ -211,6 +232,7 @@ def is_held_out(key: str) -> bool:
 
 
 ERR_MALFORMED = "error : malformed call"
+ERR_TOOL_FAILED = "error : tool failed"
 ERR_ANSWER_ARITY = "error : answer takes one value"
 ERR_TOOL = "error : unknown tool"
 
