@@ -459,10 +459,10 @@ class AblationRunner:
         if not cfg.warmstart.enabled or cfg.model.path:
             return None
         if job.seed not in self._ws_keys:
-            from rail.envs import make_env
+            from rail.envs import make_envs
             from rail.policy_setup import _cache_key, vocabulary
 
-            envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
+            envs = make_envs(cfg.env.families, cfg.env.seed, cfg.env.options)
             self._ws_keys[job.seed] = Path(cfg.warmstart.cache_dir) / _cache_key(cfg, vocabulary(envs))
         return self._ws_keys[job.seed]
 

@@ -40,8 +40,8 @@ from rail.config import Config, merge, validate
 from rail import interventions
 from rail.controllers import CONTROLLERS, GroupView, Menu, Outcome
 from rail.interventions import Intervention
-from rail.envs import ToolRunner, make_env, rubric_status
-from rail.evaluate import eval_metrics, evaluate, mean_over
+from rail.envs import ToolRunner, make_envs, rubric_status
+from rail.evaluate import eval_metrics, evaluate, mean_over, overall, task_counts
 from rail.policy_setup import RehearsalSource, make_policy
 from rail.tracking import JsonlTracker, MlflowTracker, MultiTracker, NullTracker
 
@@ -100,6 +100,12 @@ class RunError(RuntimeError):
     """A run that cannot start or continue; the message says why and what to do."""
 
 
+def _malformed(step) -> bool:
+    """A turn that was not a call of a listed tool in the model's tool format, unless the environment took it as
+    the end of the reply to a user message (``bfcl``: a turn without a call ends the user turn)."""
+    return step.action is None and not (step.ok and (step.done or step.user is not None))
+
+
 def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
 
@@ -130,8 +136,9 @@ class Trainer:
         self.t0 = time.perf_counter()
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self.envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
+        self.envs = make_envs(cfg.env.families, cfg.env.seed, cfg.env.options)
         self.runners = {f: ToolRunner(e, cfg.rollout.tool_format) for f, e in self.envs.items()}
+        self.eval_counts = task_counts(self.envs, cfg)  # held-out tasks per row and level (pools may be finite)
         self.state = RunState()
         ckpt = None
         if resume:
@@ -414,7 +421,7 @@ class Trainer:
             c, f = tr.tool_calls()
             tc["calls"] = tc.get("calls", 0) + c
             tc["failed"] = tc.get("failed", 0) + f
-            tc["malformed"] = tc.get("malformed", 0) + sum(1 for st in tr.steps if st.action is None)
+            tc["malformed"] = tc.get("malformed", 0) + sum(1 for st in tr.steps if _malformed(st))
         rewards = np.array([tr.reward for tr in base])
         m = {
             "rollout/reward_mean": float(rewards.mean()),
@@ -435,7 +442,7 @@ class Trainer:
             "shift/mean": batch.stats["shift_mean"],
             "shift/max": batch.stats["shift_max"],
             "shift/replayed": batch.stats["guided_replay"],
-            "rollout/malformed_calls": float(sum(1 for tr in base for st in tr.steps if st.action is None)),
+            "rollout/malformed_calls": float(sum(1 for tr in base for st in tr.steps if _malformed(st))),
             "time/generate_s": t_gen, "time/score_s": t_score, "time/controller_s": t_ctl, "time/update_s": t_upd,
         }
         m.update(self._intervention_metrics(groups, outcomes, budget))
@@ -512,7 +519,8 @@ class Trainer:
         res = evaluate(self.engine, self.envs, self.cfg, seed=_seed(self.cfg.run.seed, 10_000))
         self.timings["eval"] += time.perf_counter() - t
         self.state.eval_history.append({"step": step, "budget_spent": self.ledger.used, "success": res})
-        self.tracker.log_metrics({**eval_metrics(res), "eval/easy_mean": mean_over(res, self.cfg.warmstart.levels),
+        self.tracker.log_metrics({**eval_metrics(res, self.eval_counts),
+                                  "eval/easy_mean": mean_over(res, self.cfg.warmstart.levels),
                                   "budget/spent_total": float(self.ledger.used)}, step)
         return res
 
@@ -590,6 +598,8 @@ class Trainer:
                        "spent": {"base": self.ledger.spent["base"], "intervention": self.ledger.spent["intervention"],
                                  "total": self.ledger.used}},
             "eval": {"initial": initial, "final": final, "history": st.eval_history,
+                     "tasks": self.eval_counts, "overall_initial": overall(initial, self.eval_counts),
+                     "overall_final": overall(final, self.eval_counts),
                      "easy_levels": easy, "beyond_levels": beyond,
                      "easy_initial": mean_over(initial, easy), "easy_final": mean_over(final, easy),
                      "beyond_initial": mean_over(initial, beyond), "beyond_final": mean_over(final, beyond)},
@@ -680,7 +690,7 @@ def eval_checkpoint(path: Path, tasks_per_level: int | None = None, temperature:
         cfg.eval.temperature = temperature
     validate(cfg)
     model, tok = load_policy(ckpt / "model")
-    envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
+    envs = make_envs(cfg.env.families, cfg.env.seed, cfg.env.options)
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="rail-eval-") as tmp:
