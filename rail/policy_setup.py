@@ -37,6 +37,16 @@ def vocabulary(envs: dict[str, Environment]) -> list[str]:
     return sorted(words)
 
 
+def demonstration_task(env: Environment, rng: np.random.Generator, levels, guided: bool):
+    """The environment's task for a warm-start demonstration of ``levels``; a training task by default (the
+    protocol makes ``demonstration_task`` optional)."""
+    own = getattr(env, "demonstration_task", None)
+    if own is not None:
+        return own(rng, levels, guided)
+    (task,) = env.sample_tasks(rng, levels, 1)
+    return task
+
+
 def demonstration(task, rng: np.random.Generator, noise: float, alternatives: dict[str, list[str]]) -> list[Action]:
     """The actions of one warm-start demonstration: the action guide, or with probability ``noise`` an
     imperfect demonstrator's version of it.
@@ -180,7 +190,7 @@ def demonstration_batches(renderer: ChatRenderer, envs: dict[str, Environment], 
         for k in range(ws.batch_size):
             env = envs[names[k % len(names)]]
             guided = rng.random() < ws.guided_share
-            task = env.demonstration_task(rng, (ws.guided_levels or ws.levels) if guided else ws.levels, guided)
+            task = demonstration_task(env, rng, (ws.guided_levels or ws.levels) if guided else ws.levels, guided)
             if guided:
                 tr = guided_demonstration(env, task, renderer, rng, fmt)
             else:
@@ -213,7 +223,7 @@ class RehearsalSource:
         for _ in range(n):
             env = self.envs[self.names[self.k % len(self.names)]]
             self.k += 1
-            task = env.demonstration_task(self.rng, self.levels, True)
+            task = demonstration_task(env, self.rng, self.levels, True)
             out.append(guided_demonstration(env, task, self.renderer, self.rng, self.fmt))
         return out
 

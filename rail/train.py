@@ -136,7 +136,12 @@ class Trainer:
         self.t0 = time.perf_counter()
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self.envs = make_envs(cfg.env.families, cfg.env.seed, cfg.env.options)
+        try:
+            self.envs = make_envs(cfg.env.families, cfg.env.seed, cfg.env.options)
+            for env in self.envs.values():  # a finite pool (bfcl) may hold no task of env.levels: say so now
+                env.sample_tasks(np.random.default_rng(0), cfg.env.levels, 1)
+        except ValueError as e:  # e.g. an option value the environment refuses
+            raise RunError(f"env.families / env.options / env.levels: {e}") from None
         self.runners = {f: ToolRunner(e, cfg.rollout.tool_format) for f, e in self.envs.items()}
         self.eval_counts = task_counts(self.envs, cfg)  # held-out tasks per row and level (pools may be finite)
         self.state = RunState()

@@ -92,8 +92,8 @@ def check_family(entry: str, options: dict | None = None) -> type:
     try:
         inspect.signature(cls).bind(seed=0, **(options or {}))
     except TypeError as e:
-        raise ValueError(f"'{entry}' cannot be constructed as {cls.__qualname__}(seed=..., "
-                         f"{', '.join(f'{k}=...' for k in options or {})}): {e}") from None
+        call = ", ".join(["seed=...", *(f"{k}=..." for k in options or {})])
+        raise ValueError(f"'{entry}' cannot be constructed as {cls.__qualname__}({call}): {e}") from None
     return cls
 
 

@@ -167,7 +167,7 @@ def _load_call(body: str, schemas: Sequence[dict], named: bool = False) -> Actio
     return action_from_call(obj.get("name"), obj.get("arguments", {}), schemas, named)
 
 
-def _literal(node: ast.AST) -> Any:
+def literal_value(node: ast.AST) -> Any:
     """A JSON value from a literal expression node (tuples become lists); ValueError for anything else: a name,
     a call, an attribute, an operator other than a sign. ``ast.literal_eval`` builds the value, evaluating nothing."""
     value = ast.literal_eval(node)
@@ -210,11 +210,11 @@ def parse_python_call(text: str, schemas: Sequence[dict]) -> Action | None:
             names = list(fn["parameters"]["properties"]) if fn else []
             if len(node.args) > len(names):
                 return None
-            arguments.update({k: _literal(a) for k, a in zip(names, node.args)})
+            arguments.update({k: literal_value(a) for k, a in zip(names, node.args)})
         for kw in node.keywords:
             if kw.arg is None or kw.arg in arguments:  # **kwargs, or an argument given twice
                 return None
-            arguments[kw.arg] = _literal(kw.value)
+            arguments[kw.arg] = literal_value(kw.value)
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
         return None
     return _named_call(name, arguments)
