@@ -140,7 +140,8 @@ class _Episode:
             last = turns - 1
             while tr.turn and tr.turn[-1] == last and tr.origin[-1] == Origin.TOOL:
                 tr.ids.pop(), tr.origin.pop(), tr.logprobs.pop(), tr.turn.pop()
-            ids, a, b = renderer.tool_suffix_with_hint(tr.steps[-1].observation, hint, getattr(tr.steps[-1], "user", None))
+            prev = tr.steps[-1]
+            ids, a, b = renderer.tool_suffix_with_hint(prev.observation, hint, getattr(prev, "user", None))
             for i, tok in enumerate(ids):
                 self._push(tok, Origin.GUIDANCE if a <= i < b else Origin.TOOL, 0.0, last)
 
