@@ -25,9 +25,9 @@ MathAPI, MessageAPI, TwitterAPI, TicketAPI, TradingBot, TravelAPI, VehicleContro
 - **Rubric**: one milestone per user turn (its ground-truth state reached), achieved at the message that ends
   the turn; a hint reveals the turn's ground-truth calls in the model's tool format; a guided step writes the
   turn's first call. **Action guide**: the ground-truth calls, each user turn closed by a short reply.
-- **Level** = the number of user turns (1..8). **Split**: a task is held out when its scenario number (the id's
-  last field, shared by the four categories' versions of one scenario) is: ``zlib.crc32(f"bfcl:{n}") % 5 == 0``,
-  47 of the 200 scenarios, so no held-out scenario is trained on in any category.
+- **Level** = the number of user turns (1..8). **Split**: a task is held out when its scenario number ``n`` (the
+  id's last field, shared by the four categories' versions of one scenario) has ``zlib.crc32(f"bfcl:{n}") % 5 ==
+  0``: 47 of the 200 scenarios, so no held-out scenario is trained on in any category.
 
 Options (``[env.options.bfcl]``): ``categories``, a list of ``base``, ``miss_func``, ``miss_param``,
 ``long_context`` (default ``["base"]``); ``docs``, ``"full"`` (BFCL's function docs as they are, the default) or
@@ -131,7 +131,7 @@ class _Case:
     turns: list[str]
     ground_truth: list[list[Action]]
     tools: list[dict]  # listed in the prompt (miss_func: without the functions held out)
-    reveal: dict[int, list[str]] = field(default_factory=dict)  # turn -> functions that become available then
+    reveal: dict[int, list[str]] = field(default_factory=dict)  # turn -> held-out functions its message lists
 
 
 class BfclEpisode:
@@ -170,7 +170,8 @@ class BfclEpisode:
 
 
 class BfclEnv:
-    """BFCL multi-turn tasks of ``categories``; see the module docstring."""
+    """BFCL multi-turn tasks of ``categories``; see the module docstring. ``seed`` changes nothing: the data and
+    the split are fixed, and which training tasks a step draws comes from the trainer's generator."""
 
     name = "bfcl"
     named_arguments = True
