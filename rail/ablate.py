@@ -227,6 +227,8 @@ def _toml_value(v) -> str:
         return json.dumps(v)  # JSON string escapes are TOML basic-string escapes
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table (env.options), keys quoted: an import path has dots and a colon
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {v!r} as TOML")
 
 
