@@ -34,9 +34,11 @@ class SamplingParams:
 class RolloutRequest:
     """One rollout to generate.
 
-    ``env`` is anything with ``step(task, text) -> step record`` (``.observation``, ``.ok``, ``.done``): it parses
-    the assistant turn's text, runs the tool and never raises for bad model output. If it has ``tools`` (JSON
-    schemas, OpenAI function format), the chat template lists them in the prompt.
+    ``env`` is anything with ``step(task, text) -> step record`` (``.observation``, ``.ok``, ``.done``, optionally
+    ``.user``: the next user message, rendered in place of the tool message): it parses the assistant turn's
+    text, runs the tool and never raises for bad model output. If it has ``begin(task, prefix_steps)``, each
+    rollout runs on what that returns (a stateful environment's own episode, at the prefix's state). If it has
+    ``tools`` (JSON schemas, OpenAI function format), the chat template lists them in the prompt.
     """
 
     task: Any
@@ -101,8 +103,12 @@ class Episode:
     def __init__(self, req: RolloutRequest, renderer: ChatRenderer):
         self.req = req
         task, g = req.task, req.guidance or Guidance()
+        # one runner per rollout: a stateful environment's episode, replayed up to the prefix being continued
+        begin = getattr(req.env, "begin", None)
+        prefix_steps = req.prefix.steps[:req.prefix_turns] if req.prefix is not None else []
+        self.runner = begin(task, prefix_steps) if begin is not None else req.env
         user = task.prompt if g.plan is None else f"{task.prompt} {g.plan}"
-        tools = getattr(req.env, "tools", None)
+        tools = getattr(self.runner, "tools", None)
         train_prompt = renderer.prompt(req.system, task.prompt, tools)
         hint_now = g.hint is not None and req.prefix_turns == 0
         if hint_now:
@@ -136,7 +142,8 @@ class Episode:
             last = turns - 1
             while tr.turn and tr.turn[-1] == last and tr.origin[-1] == Origin.TOOL:
                 tr.ids.pop(), tr.origin.pop(), tr.logprobs.pop(), tr.turn.pop()
-            ids, a, b = renderer.tool_suffix_with_hint(tr.steps[-1].observation, hint)
+            prev = tr.steps[-1]
+            ids, a, b = renderer.tool_suffix_with_hint(prev.observation, hint, getattr(prev, "user", None))
             for i, tok in enumerate(ids):
                 self.push(tok, Origin.GUIDANCE if a <= i < b else Origin.TOOL, 0.0, last)
 
@@ -151,7 +158,7 @@ class Episode:
         """Execute the turn just written; append the observation or finish."""
         req, tr = self.req, self.traj
         t0 = time.perf_counter()
-        step = req.env.step(req.task, text)
+        step = self.runner.step(req.task, text)
         tool_clock[0] += time.perf_counter() - t0
         tr.steps.append(step)
         tr.turn_texts.append(text)
@@ -162,7 +169,7 @@ class Episode:
         elif tr.n_turns >= max_turns:
             tr.truncated, self.finished = True, True
         else:
-            for tok in renderer.tool_suffix(obs):
+            for tok in renderer.tool_suffix(obs, getattr(step, "user", None)):
                 self.push(tok, Origin.TOOL, 0.0, turn)
 
 

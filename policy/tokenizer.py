@@ -91,9 +91,11 @@ class ChatRenderer:
         the way the template lists them (the built-in template lists none)."""
         return self._prompt_ids([{"role": "system", "content": system}, {"role": "user", "content": user}], tools)
 
-    def tool_suffix(self, observation: str) -> list[int]:
-        """Tokens after an assistant turn's end: the tool message and the next assistant header."""
-        return self._suffix_many([{"role": "tool", "content": observation}])
+    def tool_suffix(self, observation: str, user: str | None = None) -> list[int]:
+        """Tokens after an assistant turn's end: the tool message and the next assistant header. ``user``: the
+        environment went on to its next user message instead (a conversation of several user turns), which
+        takes the tool message's place."""
+        return self._suffix_many(_after_turn(observation, user))
 
     def _suffix_many(self, messages: list[dict]) -> list[int]:
         full = self._ids([*self._dummy, *messages], generation_prompt=True)
@@ -101,14 +103,14 @@ class ChatRenderer:
             raise ValueError("chat template is not prefix-stable; cannot render tool messages incrementally")
         return self._after_turn + full[len(self._dummy_ids):]
 
-    def tool_suffix_with_hint(self, observation: str, hint: str) -> tuple[list[int], int, int]:
-        """The tool suffix with a user hint message after the tool message.
+    def tool_suffix_with_hint(self, observation: str, hint: str, user: str | None = None) -> tuple[list[int], int, int]:
+        """The tool suffix with a user hint message after the tool message (or after ``user``'s message).
 
         Returns ``(ids, start, end)``: ``ids[start:end]`` are the hint's tokens (guidance); removing them gives
         exactly :meth:`tool_suffix`.
         """
-        base = self.tool_suffix(observation)
-        full = self._suffix_many([{"role": "tool", "content": observation}, {"role": "user", "content": hint}])
+        base = self.tool_suffix(observation, user)
+        full = self._suffix_many([*_after_turn(observation, user), {"role": "user", "content": hint}])
         start, end = split_inserted(base, full)
         return full, start, end
 
@@ -128,6 +130,11 @@ class ChatRenderer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def _after_turn(observation: str, user: str | None) -> list[dict]:
+    """The message that follows an assistant turn: the tool's observation, or the next user message."""
+    return [{"role": "user", "content": user}] if user is not None else [{"role": "tool", "content": observation}]
 
 
 def split_inserted(base: list[int], with_extra: list[int]) -> tuple[int, int]:

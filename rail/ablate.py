@@ -230,6 +230,8 @@ def _toml_value(v) -> str:
         return json.dumps(v)  # JSON string escapes are TOML basic-string escapes
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table (env.options), keys quoted: an import path has dots and a colon
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {v!r} as TOML")
 
 
@@ -516,10 +518,10 @@ class AblationRunner:
         if not cfg.warmstart.enabled:
             return None
         if job.seed not in self._ws_keys:
-            from rail.envs import make_env
+            from rail.envs import make_envs
             from rail.policy_setup import warmstart_cache
 
-            envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
+            envs = make_envs(cfg.env.families, cfg.env.seed, cfg.env.options)
             self._ws_keys[job.seed] = warmstart_cache(cfg, envs)  # the path the trainer writes, by the same code
         return self._ws_keys[job.seed]
 

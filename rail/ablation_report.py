@@ -288,6 +288,9 @@ def _equal(values: list[float], rel: float = 0.01) -> bool:
 def _eval_tasks(run: dict | None, which: str) -> int | None:
     if run is None:
         return None
+    counts = run["summary"]["eval"].get("tasks")  # held-out tasks per row and level (finite pools hold fewer)
+    if counts:
+        return sum(n.get(str(lv), 0) for n in counts.values() for lv in run[which])
     c = run["config"]
     fams = len(c.get("env", {}).get("families", [])) or len(run["summary"]["eval"]["final"])
     return fams * len(run[which]) * int(c.get("eval", {}).get("tasks_per_level", 0))

@@ -67,7 +67,8 @@ class WarmStartConfig:
 
 @dataclass
 class EnvConfig:
-    families: list[str] = F(["lookup", "calc", "kin"], "Environment families to train and evaluate on (docs/usage.md, Environments).")
+    families: list[str] = F(["lookup", "calc", "kin"], "Environment families to train and evaluate on: built-in names (lookup, calc, kin; bfcl with the bfcl extra) or import paths package.module:Class of your own (docs/environments.md).")
+    options: dict[str, dict] = F({}, "Keyword arguments of each family's constructor, by its entry in env.families: [env.options.bfcl] categories = [\"base\", \"miss_param\"] in TOML, --set 'env.options.bfcl.categories=[\"base\"]' (docs/environments.md).")
     levels: list[int] = F([1, 2, 3, 4], "Levels training tasks are drawn from (uniformly).")
     seed: int = F(0, "Seed of the environments' worlds (knowledge graph); fixed across runs to compare them.")
 
@@ -234,6 +235,10 @@ CHOICES = {
 
 def _coerce(key: str, value: Any, typ: Any) -> Any:
     origin = getattr(typ, "__origin__", None)
+    if origin is dict:  # a table of tables (env.options): checked further by validate()
+        if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+            raise ConfigError(f"{key}: expected a table of tables, e.g. {{bfcl = {{categories = [\"base\"]}}}}, got {value!r}")
+        return copy.deepcopy(value)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r} (write it as [1, 2])")
@@ -270,6 +275,18 @@ def merge(cfg: Config, overrides: dict, source: str = "") -> Config:
             raise ConfigError(f"'{section}'{where} must be a table of keys, got {values!r}")
         hints = get_type_hints(type(sub))
         for key, value in values.items():
+            head, _, rest = key.partition(".")
+            if rest and getattr(hints.get(head), "__origin__", None) is dict:  # --set env.options.bfcl.categories=...
+                table = getattr(sub, head)
+                *path, last = rest.split(".")
+                for part in path:
+                    table = table.setdefault(part, {})
+                    if not isinstance(table, dict):
+                        raise ConfigError(f"{section}.{key}: {part} is not a table")
+                if not path:
+                    _coerce(f"{section}.{key}", {last: value}, hints[head])
+                table[last] = copy.deepcopy(value)
+                continue
             if key not in hints:
                 valid = ", ".join(f.name for f in fields(sub))
                 raise ConfigError(f"unknown config key '{section}.{key}'{where}; valid keys: {valid}")
@@ -371,7 +388,7 @@ def check_finite(cfg: Config) -> None:
 def validate(cfg: Config) -> None:
     """Cross-field rules, checked before anything runs (after :func:`resolve`)."""
     from rail.controllers import CONTROLLERS
-    from rail.envs import ENVIRONMENTS
+    from rail.envs import ENVIRONMENTS, EXTRAS, check_family
 
     resolve(cfg)
     check_finite(cfg)
@@ -430,10 +447,22 @@ def validate(cfg: Config) -> None:
     if L.clip_ratio_c != 0 and not L.clip_ratio_c > 1:
         raise ConfigError(f"learner.clip_ratio_c = {L.clip_ratio_c}: must be > 1 (verl's default is 3), or 0 for no dual clip")
     if not cfg.env.families:
-        raise ConfigError("env.families is empty; name at least one of " + ", ".join(ENVIRONMENTS))
+        raise ConfigError("env.families is empty; name at least one of " + ", ".join([*ENVIRONMENTS, *EXTRAS]))
+    for key in cfg.env.options:
+        if key not in cfg.env.families:
+            raise ConfigError(f"env.options.{key}: '{key}' is not in env.families {cfg.env.families}; "
+                              "options are keyed by the family's entry there")
+    if len(set(cfg.env.families)) != len(cfg.env.families):
+        raise ConfigError(f"env.families = {cfg.env.families}: an entry appears twice")
     for fam in cfg.env.families:
-        if fam not in ENVIRONMENTS:
-            raise ConfigError(f"env.families: unknown environment '{fam}'; valid: {', '.join(ENVIRONMENTS)}")
+        try:
+            cls = check_family(fam, cfg.env.options.get(fam))
+        except ValueError as e:
+            raise ConfigError(f"env.families: {e}") from None
+        if not cfg.model.path and not callable(getattr(cls, "vocabulary", None)):
+            raise ConfigError(f"env.families: '{fam}' has no closed vocabulary for the built-in word-level model; "
+                              "set model.path to a Hugging Face checkpoint with its own tokenizer "
+                              "(a tiny one: experiments/make_tiny_model.py DIR)")
     for key, levels in (("env.levels", cfg.env.levels), ("eval.levels", cfg.eval.levels),
                         ("warmstart.levels", cfg.warmstart.levels)):
         if not levels or any(lv < 1 or lv > 8 for lv in levels):

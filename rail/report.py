@@ -41,6 +41,7 @@ def format_summary(s: dict, out: Path) -> str:
         "held-out unguided success, start -> end:",
         format_eval(e["final"], e["initial"]),
         "",
+        *_overall(e),
         f"easy levels {e['easy_levels']}: {e['easy_initial']:.3f} -> {e['easy_final']:.3f}   "
         f"beyond {e['beyond_levels']}: {e['beyond_initial']:.3f} -> {e['beyond_final']:.3f}",
         *_tool_calls(s.get("tool_calls")),
@@ -53,6 +54,18 @@ def format_summary(s: dict, out: Path) -> str:
         f"outputs: {out}/summary.json, metrics.jsonl, checkpoints/",
     ]
     return "\n".join(lines)
+
+
+def _overall(e: dict) -> list[str]:
+    """Each row's success over all its held-out tasks, for rows whose cells hold different numbers of tasks (a
+    finite pool, e.g. bfcl's categories), where the table's cells alone do not give it."""
+    counts, fin = e.get("tasks") or {}, e.get("overall_final") or {}
+    rows = [r for r in sorted(fin) if len(set(counts.get(r, {}).values())) > 1]
+    if not rows:
+        return []
+    ini = e.get("overall_initial") or {}
+    return ["all levels: " + ", ".join(f"{r} {ini.get(r, float('nan')):.2f}->{fin[r]:.2f} "
+                                       f"({sum(counts[r].values())} tasks)" for r in rows)]
 
 
 def _tool_calls(tc: dict | None) -> list[str]:

@@ -42,8 +42,8 @@ from rail.config import Config, merge, read_json, validate
 from rail import interventions
 from rail.controllers import CONTROLLERS, GroupView, Menu, Outcome
 from rail.interventions import Intervention
-from rail.envs import ToolRunner, make_env, rubric_status, safe_reward
-from rail.evaluate import eval_metrics, evaluate, mean_over
+from rail.envs import ToolRunner, make_envs, rubric_status, safe_reward
+from rail.evaluate import eval_metrics, evaluate, mean_over, overall, task_counts
 from rail.policy_setup import RehearsalSource, make_policy
 from rail.rundir import PARTIAL, RunError, RunLock, clear_partial, has_checkpoint, is_run_config, make_out
 from rail.tracking import JsonlTracker, MlflowTracker, MultiTracker, NullTracker
@@ -102,6 +102,12 @@ def close_engine(engine) -> None:
         close()
 
 
+def _malformed(step) -> bool:
+    """A turn that was not a call of a listed tool in the model's tool format, unless the environment took it as
+    the end of the reply to a user message (``bfcl``: a turn without a call ends the user turn)."""
+    return step.action is None and not (step.ok and (step.done or step.user is not None))
+
+
 def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
 
@@ -133,8 +139,14 @@ class Trainer:
         self.t0 = time.perf_counter()
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self.envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
+        try:
+            self.envs = make_envs(cfg.env.families, cfg.env.seed, cfg.env.options)
+            for env in self.envs.values():  # a finite pool (bfcl) may hold no task of env.levels: say so now
+                env.sample_tasks(np.random.default_rng(0), cfg.env.levels, 1)
+        except ValueError as e:  # e.g. an option value the environment refuses
+            raise RunError(f"env.families / env.options / env.levels: {e}") from None
         self.runners = {f: ToolRunner(e, cfg.rollout.tool_format) for f, e in self.envs.items()}
+        self.eval_counts = task_counts(self.envs, cfg)  # held-out tasks per row and level (pools may be finite)
         self.state = RunState()
         self.lock: RunLock | None = None  # the run directory's, when start_run / resume_run took it
         ckpt = None
@@ -448,7 +460,7 @@ class Trainer:
             c, f = tr.tool_calls()
             tc["calls"] = tc.get("calls", 0) + c
             tc["failed"] = tc.get("failed", 0) + f
-            tc["malformed"] = tc.get("malformed", 0) + sum(1 for st in tr.steps if st.action is None)
+            tc["malformed"] = tc.get("malformed", 0) + sum(1 for st in tr.steps if _malformed(st))
             self._step_errors["tool"] += sum(1 for st in tr.steps if st.error)
         for k, v in self._step_errors.items():
             self.state.errors[k] = self.state.errors.get(k, 0) + v
@@ -472,7 +484,7 @@ class Trainer:
             "shift/mean": batch.stats["shift_mean"],
             "shift/max": batch.stats["shift_max"],
             "shift/replayed": batch.stats["guided_replay"],
-            "rollout/malformed_calls": float(sum(1 for tr in base for st in tr.steps if st.action is None)),
+            "rollout/malformed_calls": float(sum(1 for tr in base for st in tr.steps if _malformed(st))),
             "errors/reward": float(self._step_errors["reward"]),
             "errors/tool": float(self._step_errors["tool"]),
             "time/generate_s": t_gen, "time/score_s": t_score, "time/controller_s": t_ctl, "time/update_s": t_upd,
@@ -551,7 +563,8 @@ class Trainer:
         res = evaluate(self.engine, self.envs, self.cfg, seed=_seed(self.cfg.run.seed, 10_000))
         self.timings["eval"] += time.perf_counter() - t
         self.state.eval_history.append({"step": step, "budget_spent": self.ledger.used, "success": res})
-        self.tracker.log_metrics({**eval_metrics(res), "eval/easy_mean": mean_over(res, self.cfg.warmstart.levels),
+        self.tracker.log_metrics({**eval_metrics(res, self.eval_counts),
+                                  "eval/easy_mean": mean_over(res, self.cfg.warmstart.levels),
                                   "budget/spent_total": float(self.ledger.used)}, step)
         return res
 
@@ -638,6 +651,8 @@ class Trainer:
                        "spent": {"base": self.ledger.spent["base"], "intervention": self.ledger.spent["intervention"],
                                  "total": self.ledger.used}},
             "eval": {"initial": initial, "final": final, "history": st.eval_history,
+                     "tasks": self.eval_counts, "overall_initial": overall(initial, self.eval_counts),
+                     "overall_final": overall(final, self.eval_counts),
                      "easy_levels": easy, "beyond_levels": beyond,
                      "easy_initial": mean_over(initial, easy), "easy_final": mean_over(final, easy),
                      "beyond_initial": mean_over(initial, beyond), "beyond_final": mean_over(final, beyond)},
@@ -772,7 +787,7 @@ def eval_checkpoint(path: Path, tasks_per_level: int | None = None, temperature:
         cfg.eval.temperature = temperature
     validate(cfg)
     model, tok = load_policy(ckpt / "model")
-    envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
+    envs = make_envs(cfg.env.families, cfg.env.seed, cfg.env.options)
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="rail-eval-") as tmp:

@@ -290,7 +290,8 @@ def _generic(name: str) -> str:
     """A logged name in the docs' placeholder form."""
     import re
     name = re.sub(r"^intervention/[a-z_]+@[a-z]+/", "intervention/<key>/", name)
-    return re.sub(r"^eval/[a-z]+/level_\d+$", "eval/<family>/level_<L>", name)
+    name = re.sub(r"^eval/[a-z_/]+/level_\d+$", "eval/<family>/level_<L>", name)
+    return re.sub(r"^eval/[a-z_/]+/all$", "eval/<family>/all", name)
 
 
 def test_eval_checkpoint_cli(tmp_path, cache_dir):
