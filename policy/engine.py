@@ -281,7 +281,8 @@ class TransformersEngine:
         seed: int,
         max_new_tokens: int | None = None,
     ) -> list[Trajectory]:
-        gen = torch.Generator().manual_seed(int(seed))
+        device = next(self.model.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(int(seed))  # sampling draws on the logits' device
         episodes = [Episode(r, self.renderer) for r in requests]
         chunks = [_Chunk(episodes[i : i + self.batch_size]) for i in range(0, len(episodes), self.batch_size)]
 

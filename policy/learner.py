@@ -64,10 +64,11 @@ class PreparedBatch:
     stats: dict[str, float]
 
 
-def pad_training_views(trajs: list[Trajectory], pad_id: int):
+def pad_training_views(trajs: list[Trajectory], pad_id: int, device: torch.device | str | None = None):
     """Right-padded training views (B, L): ids, attention mask, loss mask, behaviour log-probs, post-tool flags,
     off-policy flags (policy tokens sampled under guidance the view strips), injected flags (tokens an
-    intervention wrote as the policy's turn). :func:`is_weight_view` gives the importance-sampling weights."""
+    intervention wrote as the policy's turn), on ``device`` (default the CPU). :func:`is_weight_view` gives the
+    importance-sampling weights."""
     views = [t.training_view() for t in trajs]
     B, L = len(views), max(len(v[0]) for v in views)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -84,7 +85,8 @@ def pad_training_views(trajs: list[Trajectory], pad_id: int):
         post_tool[b, :n] = torch.tensor([t >= 1 for t in turn])
         offpolicy[b, :n] = torch.tensor(tr.offpolicy_flags(), dtype=torch.bool)
         injected[b, :n] = torch.tensor([o == Origin.INJECTED for o in origin])
-    return ids, attn, mask, old, post_tool, offpolicy, injected
+    out = ids, attn, mask, old, post_tool, offpolicy, injected
+    return out if device is None else tuple(t.to(device) for t in out)
 
 
 def is_weight_view(trajs: list[Trajectory]) -> torch.Tensor:
@@ -99,7 +101,7 @@ def is_weight_view(trajs: list[Trajectory]) -> torch.Tensor:
 def sft_loss(model, trajs: list[Trajectory], pad_id: int) -> torch.Tensor:
     """Mean negative log-likelihood of the trained tokens of ``trajs`` (their training views): the warm start's
     loss, and rehearsal's."""
-    ids, attn, mask, *_ = pad_training_views(trajs, pad_id)
+    ids, attn, mask, *_ = pad_training_views(trajs, pad_id, next(model.parameters()).device)
     logits = forward_logits(model, ids, attn, pad_id)[:, :-1].float()  # (B, T, V), packed
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T)
     m = mask[:, 1:]
@@ -248,7 +250,7 @@ class GRPOLearner:
             for i in range(0, len(trajs), self.s.minibatch_size):
                 chunk = trajs[i : i + self.s.minibatch_size]
                 sampled = [dataclasses.replace(t, keep_guidance=True) for t in chunk]  # the context as sampled
-                ids, attn, mask, *_ = pad_training_views(sampled, self.pad_id)
+                ids, attn, mask, *_ = pad_training_views(sampled, self.pad_id, self.device)
                 logp = grpo.gather_logprobs(self._logits(self.model, ids, attn), ids[:, 1:])  # (B, T)
                 for b, t in enumerate(chunk):
                     mine = logp[b][mask[b, 1:] > 0].tolist()  # the policy tokens, in order
@@ -278,7 +280,7 @@ class GRPOLearner:
         try:
             for i in range(0, len(trajs), self.s.minibatch_size):
                 chunk = trajs[i : i + self.s.minibatch_size]
-                ids, attn, _, old, _, off, _ = pad_training_views(chunk, self.pad_id)
+                ids, attn, _, old, _, off, _ = pad_training_views(chunk, self.pad_id, self.device)
                 logp = grpo.gather_logprobs(self._logits(self.model, ids, attn), ids[:, 1:])  # (B, T)
                 out += grpo.shift_measure(logp, old[:, 1:], off[:, 1:]).tolist()
         finally:
@@ -286,11 +288,15 @@ class GRPOLearner:
         return out
 
     # ------------------------------------------------------------------ forward
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def _batch(self, trajs: list[Trajectory], advs: list[float]):
-        ids, attn, mask, old, post_tool, off, inj = pad_training_views(trajs, self.pad_id)
+        ids, attn, mask, old, post_tool, off, inj = pad_training_views(trajs, self.pad_id, self.device)
         B, L = ids.shape
-        adv = torch.tensor(advs, dtype=torch.float)[:, None].expand(B, L - 1)  # (B, T)
-        isw = is_weight_view(trajs)[:, 1:] if self.s.old_logprobs == "recompute" else None  # (B, T)
+        adv = torch.tensor(advs, dtype=torch.float, device=self.device)[:, None].expand(B, L - 1)  # (B, T)
+        isw = is_weight_view(trajs)[:, 1:].to(self.device) if self.s.old_logprobs == "recompute" else None  # (B, T)
         # token k is predicted from position k-1: shift everything that describes targets by one
         return (ids, attn, mask[:, 1:], old[:, 1:], post_tool[:, 1:] & (mask[:, 1:] > 0), adv, off[:, 1:],
                 inj[:, 1:], isw)

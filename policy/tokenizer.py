@@ -81,7 +81,7 @@ class ChatRenderer:
         """Prompts repeat (a group shares its task's), and rendering a template that lists tools is not free."""
         key = (tuple((m["role"], m["content"]) for m in messages), id(tools) if tools else None)
         if key not in self._prompts:
-            if len(self._prompts) > 4096:
+            if len(self._prompts) >= 512:  # a step's groups share few prompts; BFCL's run to thousands of tokens
                 self._prompts.clear()
             self._prompts[key] = (self._ids(messages, generation_prompt=True, tools=tools), tools)
         return list(self._prompts[key][0])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import os
 import dataclasses
 import tomllib
@@ -39,6 +40,7 @@ class RunConfig:
     steps: int = F(100, "Number of training steps (each generates one step's budget of rollouts).")
     checkpoint_every: int = F(10, "Write a checkpoint every this many steps (and always at the end).")
     threads: int = F(0, "torch intra-op threads (0: leave torch's default).")
+    device: str = F("auto", "Where the model trains and the transformers engine samples: 'auto' (the first CUDA GPU when there is one, else the CPU), 'cpu', 'cuda' or 'cuda:N'. The vLLM engine places its own copy.")
 
 
 @dataclass
@@ -392,6 +394,8 @@ def validate(cfg: Config) -> None:
 
     resolve(cfg)
     check_finite(cfg)
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.run.device):
+        raise ConfigError(f"run.device = {cfg.run.device!r}: one of auto, cpu, cuda, cuda:N")
     for key, valid in CHOICES.items():
         section, name = key.split(".")
         v = getattr(getattr(cfg, section), name)

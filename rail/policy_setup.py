@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from policy.learner import sft_loss
-from policy.model import build_tiny_model, load_policy, save_policy
+from policy.model import build_tiny_model, load_policy, resolve_device, save_policy
 from policy.records import Origin, Trajectory
 from policy.tokenizer import ChatRenderer, build_word_tokenizer
 from rail.config import Config
@@ -262,11 +262,12 @@ def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg:
 def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
     """(model, tokenizer, info): the built-in model or the checkpoint at ``model.path``, warm-started (SFT on
     reference trajectories in the model's own chat template and tool-call format) unless
-    ``warmstart.enabled`` is false, and cached under ``warmstart.cache_dir``."""
+    ``warmstart.enabled`` is false, and cached under ``warmstart.cache_dir``; on ``run.device``."""
+    device = resolve_device(cfg.run.device)
     if cfg.model.path:
         model, tok = load_policy(cfg.model.path)
         if not cfg.warmstart.enabled:
-            return model, tok, {"source": cfg.model.path, "warmstart": "disabled"}
+            return model.to(device), tok, {"source": cfg.model.path, "warmstart": "disabled"}
         source = cfg.model.path
     else:
         model = tok = None
@@ -275,7 +276,7 @@ def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
     if cfg.warmstart.enabled and (cache / "config.json").is_file():
         try:
             model, tok = load_policy(cache)
-            return model, tok, {"source": source, "warmstart": f"cached ({cache})"}
+            return model.to(device), tok, {"source": source, "warmstart": f"cached ({cache})"}
         except (ValueError, OSError) as e:
             log.warning("warm-start cache %s unreadable (%s); rebuilding it", cache, e)
             if cfg.model.path:
@@ -287,6 +288,7 @@ def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
                                  kv_heads=m.kv_heads, intermediate_size=m.intermediate_size,
                                  max_positions=m.max_positions, seed=cfg.run.seed,
                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    model.to(device)  # built or loaded on the CPU (the same weights wherever it trains)
     info = {"source": source, "warmstart": "disabled"}
     if cfg.warmstart.enabled:
         losses = warm_start(model, ChatRenderer(tok), envs, cfg, progress)

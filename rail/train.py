@@ -35,7 +35,7 @@ from policy.checkpoint import (CheckpointError, find_checkpoint, load_optimizer_
 from policy.fileio import write_text_atomic
 from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
 from policy.learner import GRPOLearner, LearnerSettings
-from policy.model import count_parameters, load_policy
+from policy.model import count_parameters, load_policy, resolve_device
 from policy.tokenizer import ChatRenderer
 from rail.budget import BudgetLedger, cost_of
 from rail.config import Config, merge, read_json, validate
@@ -69,11 +69,11 @@ def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
     return dataclasses.replace(s, **overrides)
 
 
-def _transformers_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path):
+def _transformers_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path | None):
     return TransformersEngine(model, renderer, batch_size=cfg.rollout.batch_size)
 
 
-def _vllm_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path):
+def _vllm_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path | None):
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -87,11 +87,12 @@ def _vllm_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path):
                       seed=cfg.run.seed, workdir=workdir)
 
 
-#: rollout.engine -> a factory (config, model, renderer, a directory the engine may write) -> RolloutEngine
+#: rollout.engine -> a factory (config, model, renderer, a directory the engine may write in, or None for the
+#: system's temporary directory) -> RolloutEngine
 ENGINES = {"transformers": _transformers_engine, "vllm": _vllm_engine}
 
 
-def make_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path):
+def make_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path | None):
     """The rollout engine ``rollout.engine`` names, over ``model``."""
     return ENGINES[cfg.rollout.engine](cfg, model, renderer, workdir)
 
@@ -154,6 +155,7 @@ class Trainer:
             self.controller = CONTROLLERS[cfg.controller.name](config=cfg, out=out)
             ckpt, saved = self._pick_checkpoint()  # restores the controller, whose trace must cover it
             self.model, self.tokenizer = load_policy(ckpt / "model")
+            self.model.to(resolve_device(cfg.run.device))
             self.policy_info = {"source": f"checkpoint {ckpt}"}
         else:
             self.model, self.tokenizer, self.policy_info = make_policy(cfg, self.envs, self._ws_progress())
@@ -788,11 +790,8 @@ def eval_checkpoint(path: Path, tasks_per_level: int | None = None, temperature:
     validate(cfg)
     model, tok = load_policy(ckpt / "model")
     envs = make_envs(cfg.env.families, cfg.env.seed, cfg.env.options)
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="rail-eval-") as tmp:
-        engine = make_engine(cfg, model, ChatRenderer(tok), Path(tmp))
-        try:
-            return evaluate(engine, envs, cfg, seed=_seed(cfg.run.seed, 99_999))
-        finally:
-            close_engine(engine)
+    engine = make_engine(cfg, model.to(resolve_device(cfg.run.device)), ChatRenderer(tok), None)
+    try:
+        return evaluate(engine, envs, cfg, seed=_seed(cfg.run.seed, 99_999))
+    finally:
+        close_engine(engine)
