@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from controller import estimators
-from controller.vw import Bandit, dsjson_line
+from controller.vw import Bandit, compact, dsjson_text
 
 NONE = "none"
 MODES = ("shadow", "live")
@@ -107,13 +107,26 @@ def _features(d: dict) -> dict:
     """Features as DSJson wants them: strings are categorical, numbers numeric, booleans 0/1; NaN -> 0."""
     out = {}
     for k, v in d.items():
-        if isinstance(v, bool):
+        t = type(v)
+        if t is float:  # the common cases first, by exact type
+            out[k] = v if v - v == 0.0 else 0.0  # finite (inf - inf and NaN - NaN are NaN)
+        elif t is str:
+            out[k] = v
+        elif isinstance(v, bool):
             out[k] = 1.0 if v else 0.0
         elif isinstance(v, (int, float)):
             out[k] = float(v) if math.isfinite(v) else 0.0
         else:
             out[k] = str(v)
     return out
+
+
+_NONE_TEXT = '{"a":' + compact({"none": 1.0, "cost": 0.0}) + "}"  # the "no intervention" action, rendered
+
+
+def _context_text(shared: str, actions: Sequence[str]) -> str:
+    """The DSJson ``c`` object (``Bandit.context_json``) as compact JSON, from its rendered parts."""
+    return '{"s":' + shared + ',"_multi":[' + ",".join(actions) + "]}"
 
 
 class LearnedController:
@@ -129,6 +142,9 @@ class LearnedController:
         self.transitions: list[dict] = []
         self.last_gate: dict = {}
         self._pending: dict[str, dict] = {}
+        self._terms: deque = deque(maxlen=self.s.window)  # per window event: DR terms of (bandit, heuristic)
+        self._rendered: dict = {}  # (name, cost) -> (features, their order, the rendered namespace)
+        self._trace = None  # the trace file, opened for appending on the first line
         self.trace_dir = Path(trace_dir) if trace_dir is not None else None
         if self.trace_dir is not None:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
@@ -159,18 +175,24 @@ class LearnedController:
                 raise ValueError(f"group {g.id}: action names must be unique, got {names}")
             if g.heuristic is not None and g.heuristic not in names:
                 raise ValueError(f"group {g.id}: heuristic action {g.heuristic!r} is not among its actions")
-            ctx = Bandit.context_json(_features(g.context), [_features({**a.features, "cost": a.cost}) for a in acts])
-            q = self.bandit.scores(ctx)
-            prepared.append((g, acts, ctx, q, pos))
-        prepared.sort(key=lambda x: (-max(x[3]), x[0].id))
+            # the event's context is rendered once, as the trace will hold it, and parsed once per workspace
+            shared = compact(_features(g.context))
+            texts = [_NONE_TEXT, *self._action_texts(g.actions)]
+            ctx = _context_text(shared, texts)
+            ex = self.bandit.parse(ctx)
+            q = self.bandit.score_examples(ex)
+            prepared.append((g, acts, shared, texts, ctx, ex, q, pos))
+        prepared.sort(key=lambda x: (-max(x[6]), x[0].id))
         left = float(budget)
         out: list = [None] * len(prepared)
-        for g, acts, ctx, q, pos in prepared:
-            fit = [a for a in acts if a.cost <= left + 1e-9]
+        for g, acts, shared, texts, ctx, ex, q, pos in prepared:
+            keep = [i for i, a in enumerate(acts) if a.cost <= left + 1e-9]
+            fit = [acts[i] for i in keep]
             if len(fit) < len(acts):  # some actions no longer fit: the context and scores are of those that do
-                ctx = {"s": ctx["s"], "_multi": [m for a, m in zip(acts, ctx["_multi"]) if a.cost <= left + 1e-9]}
-                q = self.bandit.scores(ctx)
-            pi = self.bandit.predict(ctx)
+                ctx = _context_text(shared, [texts[i] for i in keep])
+                ex = self.bandit.parse(ctx)
+                q = self.bandit.score_examples(ex)
+            pi = self.bandit.predict_examples(ex)
             k = len(fit)
             h_name = g.heuristic if g.heuristic in [a.name for a in fit] else NONE
             h = [1.0 if a.name == h_name else 0.0 for a in fit]
@@ -181,9 +203,28 @@ class LearnedController:
             i = _sample(logging, _uniform01(self.seed, eid))
             self.decided += 1
             left -= fit[i].cost
-            self._pending[eid] = {"context": ctx, "names": [a.name for a in fit], "costs": [a.cost for a in fit],
-                                  "chosen": i, "logging": logging, "pi": pi, "h": h, "q": q, "mode": self.mode}
+            self._pending[eid] = {"context": ctx, "examples": ex, "names": [a.name for a in fit],
+                                  "costs": [a.cost for a in fit], "chosen": i, "logging": logging, "pi": pi, "h": h,
+                                  "q": q, "mode": self.mode}
             out[pos] = Decision(eid, g.id, fit[i], i, logging[i], self.mode)
+        return out
+
+    def _action_texts(self, actions: Sequence[Action]) -> list[str]:
+        """Each action's ``a`` namespace as compact JSON. Menus repeat across groups and steps, so a text is kept
+        per (name, cost) and reused while the features are the same, in the same order (``-0.0`` matches
+        ``0.0`` there: VW reads the same feature from either text, and the trace holds the text it parsed)."""
+        out, cache = [], self._rendered
+        for a in actions:
+            f = a.features
+            hit = cache.get((a.name, a.cost))
+            if hit is not None and hit[0] == f and hit[1] == tuple(f):
+                out.append(hit[2])
+                continue
+            text = '{"a":' + compact(_features({**f, "cost": a.cost})) + "}"
+            if len(cache) >= 4096:
+                cache.clear()
+            cache[(a.name, a.cost)] = (dict(f), tuple(f), text)
+            out.append(text)
         return out
 
     # ------------------------------------------------------------------ learn
@@ -195,20 +236,31 @@ class LearnedController:
         if not (isinstance(reward, (int, float)) and math.isfinite(reward)):
             raise ValueError(f"decision {decision_id}: reward {reward!r} is not a finite number")
         r = min(1.0, max(0.0, float(reward)))
-        i = ev["chosen"]
-        extra = {"_mode": ev["mode"], "_actions": ev["names"], "_costs": ev["costs"], "_pi": ev["pi"],
-                 "_h": ev["h"], "_q": ev["q"], "_learn_seq": self.learned}
-        if outcome:
-            extra["_outcome"] = outcome
-        line = dsjson_line(decision_id, ev["context"], i, ev["logging"], -r, extra)
-        self.bandit.learn(line)
-        self.learned += 1
+        i, logging = ev["chosen"], ev["logging"]
+        self.bandit.learn_examples(ev["examples"], i, -r, max(logging[i], 1e-12))
         if self.trace_path is not None:
-            with open(self.trace_path, "a") as f:
-                f.write(line + "\n")
-        self.window.append((r, ev["logging"][i], i, ev["pi"], ev["h"], ev["q"]))
+            extra = {"_mode": ev["mode"], "_actions": ev["names"], "_costs": ev["costs"], "_pi": ev["pi"],
+                     "_h": ev["h"], "_q": ev["q"], "_learn_seq": self.learned}
+            if outcome:
+                extra["_outcome"] = outcome
+            self._append(dsjson_text(decision_id, ev["context"], i, logging, -r, extra))
+        self.learned += 1
+        self._remember(r, logging[i], i, ev["pi"], ev["h"], ev["q"])
         if self.learned >= self.s.min_events and self.learned % self.s.check_every == 0:
             self._gate()
+
+    def _append(self, line: str) -> None:
+        """One trace line, flushed (a checkpoint taken after it counts it as written)."""
+        if self._trace is None:
+            self._trace = open(self.trace_path, "a")
+        self._trace.write(line + "\n")
+        self._trace.flush()
+
+    def _remember(self, r: float, p: float, chosen: int, pi: list, h: list, q: list) -> None:
+        """An event joins the gate's window, with its DR terms under the bandit's and the heuristic's PMF (they
+        never change, so each is computed once)."""
+        self.window.append((r, p, chosen, pi, h, q))
+        self._terms.append((estimators.dr_term(r, p, chosen, pi, q), estimators.dr_term(r, p, chosen, h, q)))
 
     def abandon(self, decision_id: str) -> None:
         """Forget a decision that was never carried out (nothing is learned from it)."""
@@ -220,12 +272,13 @@ class LearnedController:
         if not self.window:
             return {}
         r, p, a, pi, h, q = map(list, zip(*self.window))
-        diff = estimators.difference(r, p, a, pi, h, q, self.s.alpha)
+        t, b = map(list, zip(*self._terms))
+        diff = estimators.mean_ci([x - y for x, y in zip(t, b)], self.s.alpha, two_sided=False)
         return {
             "n": len(r),
             "logged": sum(r) / len(r),
-            "bandit_dr": estimators.dr(r, p, a, pi, q, self.s.alpha).value,
-            "heuristic_dr": estimators.dr(r, p, a, h, q, self.s.alpha).value,
+            "bandit_dr": estimators.mean_ci(t, self.s.alpha).value,
+            "heuristic_dr": estimators.mean_ci(b, self.s.alpha).value,
             "bandit_snips": estimators.snips(r, p, [x[k] for x, k in zip(pi, a)], self.s.alpha).value,
             "heuristic_snips": estimators.snips(r, p, [x[k] for x, k in zip(h, a)], self.s.alpha).value,
             "diff": diff.value, "diff_lower": diff.lower, "diff_upper": diff.upper,
@@ -258,7 +311,10 @@ class LearnedController:
         self.bandit = Bandit(self.s.epsilon, self.s.lr, self.s.clip_p, self.s.bits, state=state["bandit"])
         self.mode, self.learned, self.decided = state["mode"], int(state["learned"]), int(state["decided"])
         self.passes, self.transitions = int(state["passes"]), list(state["transitions"])
-        self.window = deque((tuple(w) for w in state["window"]), maxlen=self.s.window)
+        self.window = deque(maxlen=self.s.window)
+        self._terms = deque(maxlen=self.s.window)
+        for w in state["window"]:
+            self._remember(*w)
         self.last_gate = state.get("last_gate", {})
         self._pending = {}
         if self.trace_path is not None and self.trace_path.exists():
@@ -266,6 +322,9 @@ class LearnedController:
 
     def _truncate_trace(self, n: int) -> None:
         """Keep the first ``n`` complete lines: a run killed after its last checkpoint re-decides those steps."""
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
         lines = self.trace_path.read_text().splitlines(keepends=True)
         keep = [ln for ln in lines[:n] if ln.endswith("\n")]
         if len(keep) == len(lines):
