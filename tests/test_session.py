@@ -6,6 +6,7 @@ continuity. Nothing here imports rail or policy."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -296,3 +297,19 @@ def test_state_round_trip_and_resume_continue_the_same_run(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="bad.json"):
         Session.load(tmp_path / "bad.json")
+
+
+def test_the_documented_loop_runs(tmp_path):
+    """docs/controller.md's complete example of another trainer, run as written (paths moved to tmp_path)."""
+    import re
+
+    doc = (Path(__file__).parents[1] / "docs" / "controller.md").read_text()
+    section = doc[doc.index("## Using the controller in another trainer"):doc.index("## How a decision is made")]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    script = tmp_path / "loop.py"
+    script.write_text(code.replace("/tmp/toy", str(tmp_path / "toy")))
+    r = subprocess.run([sys.executable, str(script)], cwd=Path(__file__).parents[1], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert r.returncode == 0, r.stderr
+    events = T.read(tmp_path / "toy" / "traces" / "decisions.dsjson")
+    assert len(events) >= 20 * 8 and Session.load(tmp_path / "toy" / "controller.json").ctl.learned == len(events)
