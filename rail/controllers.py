@@ -17,7 +17,8 @@ Fixed controllers (the baselines a learned controller must beat):
 - ``ladder`` — minimal intervention: the cheapest operator first, escalating while the group has no success.
 - ``random`` — uniform over the legal interventions of every group (and doing nothing).
 
-The learned controller, ``rail``, wraps ``controller.LearnedController`` (docs/controller.md).
+The learned controller, ``rail``, translates rail's groups, menu and outcomes for ``controller.Session``, the seam any
+trainer drives (docs/controller.md).
 """
 
 from __future__ import annotations
