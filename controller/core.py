@@ -146,6 +146,7 @@ class LearnedController:
         self._rendered: dict = {}  # (name, cost) -> (features, their order, the rendered namespace)
         self._trace = None  # the trace file, opened for appending on the first line
         self.trace_dir = Path(trace_dir) if trace_dir is not None else None
+        self._trace_path = None if self.trace_dir is None else self.trace_dir / "decisions.dsjson"
         if self.trace_dir is not None:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             meta = self.trace_dir / "controller.json"
@@ -157,7 +158,7 @@ class LearnedController:
 
     @property
     def trace_path(self) -> Path | None:
-        return None if self.trace_dir is None else self.trace_dir / "decisions.dsjson"
+        return self._trace_path
 
     # ------------------------------------------------------------------ decide
     def decide(self, groups: Sequence[Group], budget: float, tag: str = "") -> list[Decision]:
@@ -175,27 +176,27 @@ class LearnedController:
                 raise ValueError(f"group {g.id}: action names must be unique, got {names}")
             if g.heuristic is not None and g.heuristic not in names:
                 raise ValueError(f"group {g.id}: heuristic action {g.heuristic!r} is not among its actions")
-            # the event's context is rendered once, as the trace will hold it, and parsed once per workspace
+            # the event's context is rendered once, as the trace will hold it, and parsed once for both workspaces
             shared = compact(_features(g.context))
             texts = [_NONE_TEXT, *self._action_texts(g.actions)]
             ctx = _context_text(shared, texts)
             ex = self.bandit.parse(ctx)
             q = self.bandit.score_examples(ex)
-            prepared.append((g, acts, shared, texts, ctx, ex, q, pos))
-        prepared.sort(key=lambda x: (-max(x[6]), x[0].id))
+            prepared.append((g, acts, names, shared, texts, ctx, ex, q, pos))
+        prepared.sort(key=lambda x: (-max(x[7]), x[0].id))
         left = float(budget)
         out: list = [None] * len(prepared)
-        for g, acts, shared, texts, ctx, ex, q, pos in prepared:
-            keep = [i for i, a in enumerate(acts) if a.cost <= left + 1e-9]
-            fit = [acts[i] for i in keep]
-            if len(fit) < len(acts):  # some actions no longer fit: the context and scores are of those that do
+        for g, fit, names, shared, texts, ctx, ex, q, pos in prepared:
+            keep = [i for i, a in enumerate(fit) if a.cost <= left + 1e-9]
+            if len(keep) < len(fit):  # some actions no longer fit: the context and scores are of those that do
+                fit, names = [fit[i] for i in keep], [names[i] for i in keep]
                 ctx = _context_text(shared, [texts[i] for i in keep])
                 ex = self.bandit.parse(ctx)
                 q = self.bandit.score_examples(ex)
             pi = self.bandit.predict_examples(ex)
             k = len(fit)
-            h_name = g.heuristic if g.heuristic in [a.name for a in fit] else NONE
-            h = [1.0 if a.name == h_name else 0.0 for a in fit]
+            h_name = g.heuristic if g.heuristic in names else NONE
+            h = [1.0 if n == h_name else 0.0 for n in names]
             he = self.s.heuristic_epsilon
             h_mix = [(1 - he) * x + he / k for x in h]
             logging = h_mix if self.mode == "shadow" else pi
@@ -203,9 +204,8 @@ class LearnedController:
             i = _sample(logging, _uniform01(self.seed, eid))
             self.decided += 1
             left -= fit[i].cost
-            self._pending[eid] = {"context": ctx, "examples": ex, "names": [a.name for a in fit],
-                                  "costs": [a.cost for a in fit], "chosen": i, "logging": logging, "pi": pi, "h": h,
-                                  "q": q, "mode": self.mode}
+            self._pending[eid] = {"context": ctx, "examples": ex, "names": names, "costs": [a.cost for a in fit],
+                                  "chosen": i, "logging": logging, "pi": pi, "h": h, "q": q, "mode": self.mode}
             out[pos] = Decision(eid, g.id, fit[i], i, logging[i], self.mode)
         return out
 
@@ -238,7 +238,7 @@ class LearnedController:
         r = min(1.0, max(0.0, float(reward)))
         i, logging = ev["chosen"], ev["logging"]
         self.bandit.learn_examples(ev["examples"], i, -r, max(logging[i], 1e-12))
-        if self.trace_path is not None:
+        if self._trace_path is not None:
             extra = {"_mode": ev["mode"], "_actions": ev["names"], "_costs": ev["costs"], "_pi": ev["pi"],
                      "_h": ev["h"], "_q": ev["q"], "_learn_seq": self.learned}
             if outcome:
