@@ -9,6 +9,7 @@ the "no intervention" action itself (index 0, cost 0). See ``docs/controller.md`
 
 from __future__ import annotations
 
+import _random
 import hashlib
 import json
 import math
@@ -89,9 +90,14 @@ class Settings:
             raise ValueError("window >= 2, check_every >= 1 and consecutive >= 1 are required")
 
 
-def _uniform01(seed: int, event_id: str) -> float:
-    h = hashlib.blake2b(f"{seed}:{event_id}".encode(), digest_size=8).digest()
-    return random.Random(int.from_bytes(h, "little")).random()
+def _uniform01(seed: int, event_id: str, mt: Any = None) -> float:
+    """A decision's uniform draw: ``random.Random(h).random()`` for ``h`` a hash of (seed, event id). ``mt``, a
+    generator to reseed for it (the same draw, without building a ``random.Random`` per decision)."""
+    h = int.from_bytes(hashlib.blake2b(f"{seed}:{event_id}".encode(), digest_size=8).digest(), "little")
+    if mt is None:
+        return random.Random(h).random()
+    mt.seed(h)
+    return mt.random()
 
 
 def _sample(pmf: Sequence[float], u: float) -> int:
@@ -141,10 +147,11 @@ class LearnedController:
         self.passes = 0
         self.transitions: list[dict] = []
         self.last_gate: dict = {}
-        self._pending: dict[str, dict] = {}
+        self._pending: dict[str, tuple] = {}  # event id -> what feedback needs of its decision
         self._terms: deque = deque(maxlen=self.s.window)  # per window event: DR terms of (bandit, heuristic)
-        self._rendered: dict = {}  # (name, cost) -> (features, their order, the rendered namespace)
+        self._rendered: dict = {}  # action names -> (their costs, features, features' order, rendered namespaces)
         self._trace = None  # the trace file, opened for appending on the first line
+        self._mt = _random.Random()  # random.Random's C generator, reseeded for every decision's draw
         self.trace_dir = Path(trace_dir) if trace_dir is not None else None
         self._trace_path = None if self.trace_dir is None else self.trace_dir / "decisions.dsjson"
         if self.trace_dir is not None:
@@ -178,54 +185,54 @@ class LearnedController:
                 raise ValueError(f"group {g.id}: heuristic action {g.heuristic!r} is not among its actions")
             # the event's context is rendered once, as the trace will hold it, and parsed once for both workspaces
             shared = compact(_features(g.context))
-            texts = [_NONE_TEXT, *self._action_texts(g.actions)]
+            costs = [a.cost for a in acts]
+            texts = self._action_texts(names, costs, acts)
             ctx = _context_text(shared, texts)
             ex = self.bandit.parse(ctx)
             q = self.bandit.score_examples(ex)
-            prepared.append((g, acts, names, shared, texts, ctx, ex, q, pos))
-        prepared.sort(key=lambda x: (-max(x[7]), x[0].id))
+            prepared.append((g, acts, names, costs, shared, texts, ctx, ex, q, pos))
+        if len(prepared) > 1:
+            prepared.sort(key=lambda x: (-max(x[8]), x[0].id))
         left = float(budget)
         out: list = [None] * len(prepared)
-        for g, fit, names, shared, texts, ctx, ex, q, pos in prepared:
-            keep = [i for i, a in enumerate(fit) if a.cost <= left + 1e-9]
-            if len(keep) < len(fit):  # some actions no longer fit: the context and scores are of those that do
+        for g, fit, names, costs, shared, texts, ctx, ex, q, pos in prepared:
+            if max(costs) > left + 1e-9:  # some actions no longer fit: the context and scores are of those that do
+                keep = [i for i, c in enumerate(costs) if c <= left + 1e-9]
                 fit, names = [fit[i] for i in keep], [names[i] for i in keep]
                 ctx = _context_text(shared, [texts[i] for i in keep])
                 ex = self.bandit.parse(ctx)
                 q = self.bandit.score_examples(ex)
             pi = self.bandit.predict_examples(ex)
-            k = len(fit)
-            h_name = g.heuristic if g.heuristic in names else NONE
-            h = [1.0 if n == h_name else 0.0 for n in names]
-            he = self.s.heuristic_epsilon
-            h_mix = [(1 - he) * x + he / k for x in h]
+            # the heuristic's deterministic choice, and mixed with uniform exploration ((1 - he) * h + he / k)
+            k, he = len(fit), self.s.heuristic_epsilon
+            j = names.index(g.heuristic) if g.heuristic in names else 0  # 0: none
+            h, h_mix = [0.0] * k, [he / k] * k
+            h[j], h_mix[j] = 1.0, (1 - he) + he / k
             logging = h_mix if self.mode == "shadow" else pi
             eid = f"{tag}{g.id}#{self.decided}"
-            i = _sample(logging, _uniform01(self.seed, eid))
+            i = _sample(logging, _uniform01(self.seed, eid, self._mt))
             self.decided += 1
             left -= fit[i].cost
-            self._pending[eid] = {"context": ctx, "examples": ex, "names": names, "costs": [a.cost for a in fit],
-                                  "chosen": i, "logging": logging, "pi": pi, "h": h, "q": q, "mode": self.mode}
+            self._pending[eid] = (ctx, ex, names, fit, i, logging, pi, h, q, self.mode)
             out[pos] = Decision(eid, g.id, fit[i], i, logging[i], self.mode)
         return out
 
-    def _action_texts(self, actions: Sequence[Action]) -> list[str]:
-        """Each action's ``a`` namespace as compact JSON. Menus repeat across groups and steps, so a text is kept
-        per (name, cost) and reused while the features are the same, in the same order (``-0.0`` matches
-        ``0.0`` there: VW reads the same feature from either text, and the trace holds the text it parsed)."""
-        out, cache = [], self._rendered
-        for a in actions:
-            f = a.features
-            hit = cache.get((a.name, a.cost))
-            if hit is not None and hit[0] == f and hit[1] == tuple(f):
-                out.append(hit[2])
-                continue
-            text = '{"a":' + compact(_features({**f, "cost": a.cost})) + "}"
-            if len(cache) >= 4096:
-                cache.clear()
-            cache[(a.name, a.cost)] = (dict(f), tuple(f), text)
-            out.append(text)
-        return out
+    def _action_texts(self, names: list[str], costs: list[float], acts: list[Action]) -> list[str]:
+        """Each action's ``a`` namespace as compact JSON (``none`` first). Menus repeat across groups and steps,
+        so the texts of a menu (its action names) are kept and reused while every cost and feature is the same,
+        in the same order (``-0.0`` matches ``0.0`` there: VW reads the same feature from either text, and the
+        trace holds the text it parsed)."""
+        feats = [a.features for a in acts]
+        key = tuple(names)
+        hit = self._rendered.get(key)
+        if hit is not None and hit[0] == costs and hit[1] == feats and hit[2] == [tuple(f) for f in feats]:
+            return hit[3]
+        texts = [_NONE_TEXT, *('{"a":' + compact(_features({**f, "cost": c})) + "}"
+                               for f, c in zip(feats[1:], costs[1:]))]
+        if len(self._rendered) >= 1024:
+            self._rendered.clear()
+        self._rendered[key] = (costs, [dict(f) for f in feats], [tuple(f) for f in feats], texts)
+        return texts
 
     # ------------------------------------------------------------------ learn
     def feedback(self, decision_id: str, reward: float, outcome: dict | None = None) -> None:
@@ -236,16 +243,16 @@ class LearnedController:
         if not (isinstance(reward, (int, float)) and math.isfinite(reward)):
             raise ValueError(f"decision {decision_id}: reward {reward!r} is not a finite number")
         r = min(1.0, max(0.0, float(reward)))
-        i, logging = ev["chosen"], ev["logging"]
-        self.bandit.learn_examples(ev["examples"], i, -r, max(logging[i], 1e-12))
+        ctx, ex, names, fit, i, logging, pi, h, q, mode = ev
+        self.bandit.learn_examples(ex, i, -r, max(logging[i], 1e-12))
         if self._trace_path is not None:
-            extra = {"_mode": ev["mode"], "_actions": ev["names"], "_costs": ev["costs"], "_pi": ev["pi"],
-                     "_h": ev["h"], "_q": ev["q"], "_learn_seq": self.learned}
+            extra = {"_mode": mode, "_actions": names, "_costs": [a.cost for a in fit], "_pi": pi, "_h": h, "_q": q,
+                     "_learn_seq": self.learned}
             if outcome:
                 extra["_outcome"] = outcome
-            self._append(dsjson_text(decision_id, ev["context"], i, logging, -r, extra))
+            self._append(dsjson_text(decision_id, ctx, i, logging, -r, extra))
         self.learned += 1
-        self._remember(r, logging[i], i, ev["pi"], ev["h"], ev["q"])
+        self._remember(r, logging[i], i, pi, h, q)
         if self.learned >= self.s.min_events and self.learned % self.s.check_every == 0:
             self._gate()
 
@@ -260,7 +267,8 @@ class LearnedController:
         """An event joins the gate's window, with its DR terms under the bandit's and the heuristic's PMF (they
         never change, so each is computed once)."""
         self.window.append((r, p, chosen, pi, h, q))
-        self._terms.append((estimators.dr_term(r, p, chosen, pi, q), estimators.dr_term(r, p, chosen, h, q)))
+        self._terms.append((estimators.dr_term(r, p, chosen, pi, q), estimators.dr_term(r, p, chosen, h, q),
+                            pi[chosen] / p, h[chosen] / p))  # ... and its SNIPS weights
 
     def abandon(self, decision_id: str) -> None:
         """Forget a decision that was never carried out (nothing is learned from it)."""
@@ -271,16 +279,17 @@ class LearnedController:
         """Off-policy estimates over the recent window: V(bandit), V(heuristic) and their DR difference."""
         if not self.window:
             return {}
-        r, p, a, pi, h, q = map(list, zip(*self.window))
-        t, b = map(list, zip(*self._terms))
+        r = [w[0] for w in self.window]
+        t, b, w_bandit, w_heuristic = map(list, zip(*self._terms))
+        n = len(r)
         diff = estimators.mean_ci([x - y for x, y in zip(t, b)], self.s.alpha, two_sided=False)
         return {
-            "n": len(r),
-            "logged": sum(r) / len(r),
-            "bandit_dr": estimators.mean_ci(t, self.s.alpha).value,
-            "heuristic_dr": estimators.mean_ci(b, self.s.alpha).value,
-            "bandit_snips": estimators.snips(r, p, [x[k] for x, k in zip(pi, a)], self.s.alpha).value,
-            "heuristic_snips": estimators.snips(r, p, [x[k] for x, k in zip(h, a)], self.s.alpha).value,
+            "n": n,
+            "logged": sum(r) / n,
+            "bandit_dr": sum(t) / n,  # the DR values (estimators.dr(...).value: the terms' mean)
+            "heuristic_dr": sum(b) / n,
+            "bandit_snips": estimators.snips_value(w_bandit, r),
+            "heuristic_snips": estimators.snips_value(w_heuristic, r),
             "diff": diff.value, "diff_lower": diff.lower, "diff_upper": diff.upper,
         }
 

@@ -61,13 +61,21 @@ def ips(r: Sequence[float], p: Sequence[float], pi: Sequence[float], alpha: floa
     return mean_ci([ri * qi / pi_ for ri, pi_, qi in zip(r, p, pi)], alpha)
 
 
+def snips_value(w: Sequence[float], r: Sequence[float]) -> float:
+    """The SNIPS value from the importance weights ``w_i = pi_i / p_i``: sum(w_i r_i) / sum(w_i)."""
+    sw = sum(w)
+    if not w or sw <= 0:
+        return float("nan")
+    return sum(map(mul, w, r)) / sw
+
+
 def snips(r: Sequence[float], p: Sequence[float], pi: Sequence[float], alpha: float = 0.05) -> Estimate:
     _check(p)
     w = [qi / pi_ for pi_, qi in zip(p, pi)]
     n, sw = len(w), sum(w)
     if n == 0 or sw <= 0:
         return Estimate(float("nan"), float("nan"), float("nan"), n)
-    v = sum(wi * ri for wi, ri in zip(w, r)) / sw
+    v = snips_value(w, r)
     if n < 2:
         return Estimate(v, float("-inf"), float("inf"), n)
     mw = sw / n

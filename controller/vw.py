@@ -86,7 +86,7 @@ class Bandit:
         """Predicted reward of every action (the reward model's predicted cost, negated), indexed by action."""
         out = [0.0] * (len(examples) - 1)
         for i, cost in self._rw.predict_multi_ex_one(examples):
-            out[i] = -float(cost)
+            out[i] = -cost
         return out
 
     def learn_examples(self, examples: list, chosen: int, cost: float, probability: float) -> None:
