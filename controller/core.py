@@ -148,7 +148,7 @@ class LearnedController:
         self.transitions: list[dict] = []
         self.last_gate: dict = {}
         self._pending: dict[str, tuple] = {}  # event id -> what feedback needs of its decision
-        self._terms: deque = deque(maxlen=self.s.window)  # per window event: DR terms of (bandit, heuristic)
+        self._terms: deque = deque(maxlen=self.s.window)  # per window event: DR terms, SNIPS weights
         self._rendered: dict = {}  # action names -> (their costs, features, features' order, rendered namespaces)
         self._trace = None  # the trace file, opened for appending on the first line
         self._mt = _random.Random()  # random.Random's C generator, reseeded for every decision's draw

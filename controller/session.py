@@ -301,7 +301,8 @@ class Session:
             h = self._headroom(gs)  # logged either way; it weights the reward with ``headroom``
             r = R.reward(before, acc_rewards, max(cost, 1), unit, s.compose, shifts=acc_shifts, ran=len(rollouts),
                          weight=s.absorption, headroom=h if s.headroom else 1.0)
-            absorbed = R.absorbed(before, acc_rewards, acc_shifts, len(rollouts), s.compose) if s.absorption > 0 else 0.0
+            absorbed = (R.absorbed(before, acc_rewards, acc_shifts, len(rollouts), s.compose)
+                        if s.absorption > 0 else 0.0)
             self.absorbed.append(absorbed)
             self.ctl.feedback(eid, r, {"cost": cost, "rollouts": len(rollouts), "accepted": len(acc_rewards),
                                        "successes": sum(1 for x, _ in keep if x.success),

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from controller import Action, Group, LearnedController, Option, Rollout, ScoredGroup, Session, SessionSettings, Settings
+from controller import (Action, Group, LearnedController, Option, Rollout, ScoredGroup, Session, SessionSettings,
+                        Settings)
 
 HOWS = ("resample", "rubric_hint", "action_guide", "guided_step")
 WHERES = ("start", "violation", "before")
