@@ -150,7 +150,7 @@ def evaluate(path: str | Path, policies: list[str] | None = None, alpha: float =
     for name in ["none", "uniform", *(policies or [])]:
         pmfs[name] = [_fixed(name, e["_actions"]) for e in events]
     out = {"events": len(events), "modes": {m: sum(e["_mode"] == m for e in events) for m in ("shadow", "live")},
-           "logged": estimators._mean_ci(r, alpha).to_dict(), "policies": {}}
+           "logged": estimators.mean_ci(r, alpha).to_dict(), "policies": {}}
     for name, pi in pmfs.items():
         at = [x[a] for x, a in zip(pi, chosen)]
         out["policies"][name] = {

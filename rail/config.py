@@ -490,6 +490,12 @@ def validate(cfg: Config) -> None:
                 Intervention.parse(item, 1)
             except ValueError as e:
                 raise ConfigError(f"{key}: {item!r}: {e}; write how@where, e.g. rubric_hint@violation") from None
+    if c.name == "rail" and c.shadow == "ladder":  # the heuristic it shadows must be among the bandit's actions
+        on_menu = {Intervention.parse(m, 1).key for m in c.menu}
+        off = [r for r in c.ladder if Intervention.parse(r, 1).key not in on_menu]
+        if off:
+            raise ConfigError(f"controller.ladder: {', '.join(off)} not in controller.menu; the learned controller "
+                              f"shadows ladder only over interventions it can choose itself: add them to the menu")
     if not c.how_many or any(k < 1 for k in c.how_many):
         raise ConfigError(f"controller.how_many = {c.how_many}: must be a non-empty list of counts >= 1")
     for key in ("controller.rti_how_many", "controller.ladder_how_many", "controller.probe_rollouts",

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from controller import Rollout, branch_source
 from policy.engine import RolloutRequest
 from policy.records import Guidance, Trajectory
 
@@ -94,12 +95,11 @@ class Plan:
 
 
 def source_index(trajs: Sequence[Trajectory]) -> int | None:
-    """The failed trajectory to branch from: most rubric progress, then latest violation, then lowest index."""
-    failed = [i for i, t in enumerate(trajs) if t.reward < 1.0 and t.rubric is not None
-              and t.rubric.first_violated is not None]
-    if not failed:
-        return None
-    return max(failed, key=lambda i: (trajs[i].rubric.progress, trajs[i].rubric.violated_turn or 0, -i))
+    """The failed trajectory to branch from: most rubric progress, then latest violation, then lowest index
+    (``controller.branch_source``, the rule whose first violated item the controller's context reports)."""
+    return branch_source([Rollout(t.reward, t.reward >= 1.0) if t.rubric is None else
+                          Rollout(t.reward, t.reward >= 1.0, t.rubric.progress, t.rubric.first_violated,
+                                  t.rubric.violated_turn) for t in trajs])
 
 
 def branch_turn(traj: Trajectory, where: str) -> int | None:
