@@ -94,8 +94,9 @@ def sample_tokens(
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
-class _Episode:
-    """Mutable generation state of one request."""
+class Episode:
+    """Mutable generation state of one request: the trajectory so far (prompt, copied prefix, guidance) and whether
+    it finished. The engines sample its turns; ``rail.integrations.verl`` drives one through verl's LLM server."""
 
     def __init__(self, req: RolloutRequest, renderer: ChatRenderer):
         self.req = req
@@ -145,6 +146,15 @@ class _Episode:
     def context(self) -> list[int]:
         return self.traj.prompt_ids + self.traj.ids
 
+    def inject(self, renderer: ChatRenderer, max_turns: int, tool_clock: list) -> None:
+        """A guided step's reference action, written as the policy's turn and executed, before any sampling."""
+        g = self.req.guidance
+        if g is not None and g.inject is not None and not self.finished:
+            turn = self.traj.n_turns
+            for tok in [*renderer.encode_turn(g.inject), renderer.end_of_turn]:
+                self._push(tok, Origin.INJECTED, 0.0, turn)
+            self.end_turn(g.inject, renderer, max_turns, tool_clock)
+
     def end_turn(self, text: str, renderer: ChatRenderer, max_turns: int, tool_clock: list) -> None:
         """Execute the turn just written; append the observation or finish."""
         req, tr = self.req, self.traj
@@ -175,7 +185,7 @@ class _Chunk:
     are dropped from the cache between turns.
     """
 
-    def __init__(self, episodes: list[_Episode]):
+    def __init__(self, episodes: list[Episode]):
         self.eps = episodes
         self.cache = None
         self.attn: torch.Tensor | None = None  # (B, cache length), 1 where the cache holds a real token
@@ -233,19 +243,14 @@ class TransformersEngine:
     ) -> list[Trajectory]:
         t_start = time.perf_counter()
         gen = torch.Generator().manual_seed(int(seed))
-        episodes = [_Episode(r, self.renderer) for r in requests]
+        episodes = [Episode(r, self.renderer) for r in requests]
         budget = [max_new_tokens if max_new_tokens is not None else float("inf")]
         tool_clock = [0.0]
         was_training = self.model.training
         self.model.eval()
         try:
             for ep in episodes:  # guided steps are written before any sampling
-                g = ep.req.guidance
-                if g is not None and g.inject is not None and not ep.finished:
-                    turn = ep.traj.n_turns
-                    for tok in [*self.renderer.encode_turn(g.inject), self.renderer.end_of_turn]:
-                        ep._push(tok, Origin.INJECTED, 0.0, turn)
-                    ep.end_turn(g.inject, self.renderer, params.max_turns, tool_clock)
+                ep.inject(self.renderer, params.max_turns, tool_clock)
             chunks = [_Chunk(episodes[i : i + self.batch_size]) for i in range(0, len(episodes), self.batch_size)]
             while True:
                 active = [e for e in episodes if not e.finished]
