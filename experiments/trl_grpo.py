@@ -52,7 +52,7 @@ def main() -> None:
     from rail.integrations.trl import RailTRL
     from rail.policy_setup import make_policy
     from rail.report import format_eval
-    from rail.train import make_engine
+    from rail.train import close_engine, make_engine
     from policy.tokenizer import ChatRenderer
 
     t0 = time.perf_counter()
@@ -78,7 +78,10 @@ def main() -> None:
     def held_out() -> dict:
         cfg.eval.tasks_per_level = a.eval_tasks
         engine = make_engine(cfg, model, ChatRenderer(tokenizer), Path(a.out) / "eval-engine")
-        return evaluate(engine, rail.envs, cfg, seed=a.seed + 99_999)
+        try:
+            return evaluate(engine, rail.envs, cfg, seed=a.seed + 99_999)
+        finally:
+            close_engine(engine)
 
     before = held_out() if a.eval_tasks else None
     trainer.train(resume_from_checkpoint=True if a.resume else None)

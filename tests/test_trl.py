@@ -145,7 +145,7 @@ def test_grpo_trainer_trains_with_rail_and_resumes_its_controller(tmp_path, poli
     assert rail2.summary()["controller_state"]["events"] == state["events"]
 
 
-def test_fixed_slots_refuse_what_cannot_fit():
+def test_fixed_slots_refuse_what_cannot_fit(tmp_path):
     from rail.integrations.trl import RailTRL
     from rail.train import RunError
 
@@ -166,3 +166,5 @@ def test_fixed_slots_refuse_what_cannot_fit():
         rail._groups_of([ds[0]["prompt"]] * (G - 1) + [ds[1]["prompt"]], G)
     with pytest.raises(RunError, match="RailTRL.dataset"):
         rail._groups_of([[{"role": "user", "content": "hello"}]] * G, G)
+    with pytest.raises(RunError, match="checkpoint-5/rail_controller.json cannot be read"):
+        rail.begin(tmp_path, seed=0, num_generations=G, global_step=5)  # resumed without the controller's state

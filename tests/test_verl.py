@@ -25,7 +25,7 @@ def setup(tmp_path_factory):
 
     sets = ["controller.ladder=['rubric_hint@violation', 'action_guide@start']",
             "controller.menu=['rubric_hint@violation', 'action_guide@start', 'resample@violation']",
-            "controller.how_many=[2]", "env.levels=[1, 2]",
+            "controller.how_many=[2]", "env.levels=[1]", "eval.levels=[1]", "rollout.max_turns=3",
             f"warmstart.cache_dir='{tmp_path_factory.mktemp('verl-ws')}'"]
     from rail.config import parse_set
 

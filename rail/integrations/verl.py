@@ -58,8 +58,11 @@ TRAINER = "verl"
 def rail_config(node: Any) -> Config:
     """rail's Config from the ``rail`` node of verl's config: ``preset`` (default ``default``), ``set`` (a list of
     ``section.key=value``, as ``rail train --set``), ``toml`` (a rail config file)."""
-    node = dict(node or {})
+    from omegaconf import OmegaConf
+
     from rail.config import load_toml
+
+    node = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
 
     toml = load_toml(node["toml"]) if node.get("toml") else None
     cfg = build_config(str(node.get("preset", "default")), toml, [parse_set(str(s)) for s in node.get("set") or []])
@@ -164,16 +167,31 @@ def agent_output(t: Trajectory, metrics: AgentLoopMetrics | None = None) -> Agen
                            metrics=metrics or AgentLoopMetrics(), extra_fields={"rail": trajectory_to_dict(t)})
 
 
+_SETUPS: dict = {}
+
+
+def _setup(node: Any, tokenizer) -> tuple:
+    """(config, environments, tool runners, renderer) for a worker process: verl makes an agent loop per sample, and
+    an environment's world is built once, not per sample."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
+    key = (json.dumps(plain, sort_keys=True, default=str), id(tokenizer))
+    if key not in _SETUPS:
+        cfg = rail_config(plain)
+        envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
+        _SETUPS[key] = (cfg, envs, {f: ToolRunner(e, cfg.rollout.tool_format) for f, e in envs.items()},
+                        ChatRenderer(tokenizer))
+    return _SETUPS[key]
+
+
 @register(AGENT)
 class RailAgentLoop(AgentLoopBase):
     """One sample's episode with rail's environment, base or intervened (module docstring)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.cfg = rail_config(self.config.get("rail"))
-        self.envs = {f: make_env(f, self.cfg.env.seed) for f in self.cfg.env.families}
-        self.runners = {f: ToolRunner(e, self.cfg.rollout.tool_format) for f, e in self.envs.items()}
-        self.renderer = ChatRenderer(self.tokenizer)
+        self.cfg, self.envs, self.runners, self.renderer = _setup(self.config.get("rail"), self.tokenizer)
 
     def request(self, kwargs: dict) -> RolloutRequest:
         """The sample's rollout request: its task, and the plan of an intervened sample."""
