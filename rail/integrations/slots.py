@@ -64,14 +64,16 @@ def check(cfg: Config, trainer: str) -> None:
 
 class Slots:
     """rail's controller over fixed group slots for one training run (``cfg`` is the run's own copy; ``group_size``
-    is the trainer's slots per group, ``out`` where the controller writes its trace)."""
+    is the trainer's slots per group, ``out`` where the controller writes its trace; ``envs`` the environments of
+    ``env.families`` when the adapter already made them)."""
 
-    def __init__(self, cfg: Config, group_size: int, out: str | Path | None, trainer: str = "the trainer"):
+    def __init__(self, cfg: Config, group_size: int, out: str | Path | None, trainer: str = "the trainer",
+                 envs: dict | None = None):
         cfg.budget.group_size = int(group_size)
         cfg.budget.rollouts_per_step = max(cfg.budget.rollouts_per_step, cfg.budget.group_size)
         check(cfg, trainer)
         self.cfg, self.g = cfg, int(group_size)
-        self.envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
+        self.envs = envs or {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
         self.runners = {f: ToolRunner(e, cfg.rollout.tool_format) for f, e in self.envs.items()}
         self.controller = CONTROLLERS[cfg.controller.name](config=cfg, out=out)
         self.calls = 0  # training steps so far (the trainers' seeds derive from it)

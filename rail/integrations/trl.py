@@ -232,7 +232,7 @@ class RailTRL:
         if global_step == 0 and trace.exists():
             log.warning("%s: a fresh run replaces the trace of the run before it", trace)
             trace.unlink()
-        self.slots = Slots(cfg, num_generations, self.out, TRAINER)
+        self.slots = Slots(cfg, num_generations, self.out, TRAINER, envs=self.envs)
         if global_step > 0:
             path = Path(output_dir) / f"checkpoint-{global_step}" / self._state_name
             try:

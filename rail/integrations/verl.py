@@ -274,6 +274,8 @@ class RailSteps:
 
     async def step(self, prompts: DataProto, generate: Callable[[DataProto], Awaitable[DataProto]],
                    total_steps: int = 1) -> DataProto:
+        """The step's rollouts for ``prompts`` (``rollout.n`` rows per uid), in their order; ``prompts.meta_info``
+        names the step (``global_steps``)."""
         step = int(prompts.meta_info.get("global_steps", self.step_done + 1))
         self._resume(step)
         groups = self.groups(prompts)
