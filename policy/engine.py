@@ -98,7 +98,8 @@ def sample_tokens(
 
 class Episode:
     """Mutable generation state of one request (shared by every engine: prompt rendering, branching from a
-    prefix, guidance marking, tool observations)."""
+    prefix, guidance marking, tool observations). The engines sample its turns; ``rail.integrations.verl`` drives
+    one through verl's LLM server."""
 
     def __init__(self, req: RolloutRequest, renderer: ChatRenderer):
         self.req = req
@@ -154,6 +155,15 @@ class Episode:
     def context(self) -> list[int]:
         return self.traj.prompt_ids + self.traj.ids
 
+    def inject(self, renderer: ChatRenderer, max_turns: int, tool_clock: list) -> None:
+        """A guided step's reference action, written as the policy's turn and executed, before any sampling."""
+        g = self.req.guidance
+        if g is not None and g.inject is not None and not self.finished:
+            turn = self.traj.n_turns
+            for tok in [*renderer.encode_turn(g.inject), renderer.end_of_turn]:
+                self.push(tok, Origin.INJECTED, 0.0, turn)
+            self.end_turn(g.inject, renderer, max_turns, tool_clock)
+
     def end_turn(self, text: str, renderer: ChatRenderer, max_turns: int, tool_clock: list) -> None:
         """Execute the turn just written; append the observation or finish."""
         req, tr = self.req, self.traj
@@ -186,12 +196,7 @@ def run_episodes(episodes: list[Episode], renderer: ChatRenderer, params: Sampli
     budget = [max_new_tokens if max_new_tokens is not None else float("inf")]
     tool_clock = [0.0]
     for ep in episodes:  # guided steps are written before any sampling
-        g = ep.req.guidance
-        if g is not None and g.inject is not None and not ep.finished:
-            turn = ep.traj.n_turns
-            for tok in [*renderer.encode_turn(g.inject), renderer.end_of_turn]:
-                ep.push(tok, Origin.INJECTED, 0.0, turn)
-            ep.end_turn(g.inject, renderer, params.max_turns, tool_clock)
+        ep.inject(renderer, params.max_turns, tool_clock)
     while True:
         active = [e for e in episodes if not e.finished]
         if not active:

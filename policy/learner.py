@@ -108,6 +108,28 @@ def sft_loss(model, trajs: list[Trajectory], pad_id: int) -> torch.Tensor:
     return -(logp * m).sum() / m.sum().clamp(min=1)
 
 
+@torch.no_grad()
+def shift_measures(model, trajs: list[Trajectory], pad_id: int, temperature: float, batch_size: int) -> list[float]:
+    """The shift measure (:func:`policy.grpo.shift_measure`) of each trajectory under ``model``'s current weights,
+    logits divided by the rollout ``temperature`` as the behaviour's were: what the shift filter compares with
+    ``shift_threshold``. The learner's filter and another trainer's adapter (``rail.integrations.trl``) both call it."""
+    out: list[float] = []
+    was = model.training
+    model.eval()
+    try:
+        for i in range(0, len(trajs), batch_size):
+            chunk = trajs[i : i + batch_size]
+            ids, attn, _, old, _, off, _ = pad_training_views(chunk, pad_id, next(model.parameters()).device)
+            logits = forward_logits(model, ids, attn, pad_id)[:, :-1].float()  # (B, T, V)
+            if temperature > 0:
+                logits = logits / temperature
+            logp = grpo.gather_logprobs(logits, ids[:, 1:])  # (B, T)
+            out += grpo.shift_measure(logp, old[:, 1:], off[:, 1:]).tolist()
+    finally:
+        model.train(was)
+    return out
+
+
 def lr_lambda(schedule: str, warmup: int, total: int):
     def f(i: int) -> float:
         if warmup and i < warmup:
@@ -271,21 +293,9 @@ class GRPOLearner:
                 "tis_truncated_share": sum(r > self.s.tis_cap for r in ratios) / len(ratios),
                 "tis_logprob_diff_max": max(diffs)}
 
-    @torch.no_grad()
     def shift_of(self, trajs: list[Trajectory]) -> list[float]:
         """The shift measure of each trajectory under the current weights (no gradient)."""
-        out: list[float] = []
-        was = self.model.training
-        self.model.eval()
-        try:
-            for i in range(0, len(trajs), self.s.minibatch_size):
-                chunk = trajs[i : i + self.s.minibatch_size]
-                ids, attn, _, old, _, off, _ = pad_training_views(chunk, self.pad_id, self.device)
-                logp = grpo.gather_logprobs(self._logits(self.model, ids, attn), ids[:, 1:])  # (B, T)
-                out += grpo.shift_measure(logp, old[:, 1:], off[:, 1:]).tolist()
-        finally:
-            self.model.train(was)
-        return out
+        return shift_measures(self.model, trajs, self.pad_id, self.s.temperature, self.s.minibatch_size)
 
     # ------------------------------------------------------------------ forward
     @property

@@ -42,6 +42,7 @@ class GroupView:
     n_base: int = 0
     zero_variance_base: bool = False  # the base rollouts alone carried no signal
     interventions: list = field(default_factory=list)  # Intervention keys applied this step
+    capacity: float | None = None  # the most its interventions may cost this step (TRL: its free slots); None: no cap
 
     @property
     def base(self) -> list:
@@ -112,6 +113,39 @@ class Menu:
 
     def cost(self, view: GroupView, iv: Intervention) -> int | None:
         return self._cost(view, iv)
+
+
+def make_menu(cfg: Any, envs: dict, runners: dict, tokens_per_rollout: float = 0.0) -> Menu:
+    """The configured menu (``controller.menu`` x ``controller.how_many``) priced by :func:`rail.interventions.plan`
+    for the groups of one step: rail's training loop and the TRL adapter (``rail.integrations.trl``) both use it.
+    ``menu.plan_for(view, iv, probe=False)`` is the plan itself (cached per group, intervention and group size);
+    ``tokens_per_rollout`` prices a fresh base group in a token budget."""
+    from rail import interventions
+
+    c, unit = cfg.controller, cfg.budget.unit
+    items = [Intervention.parse(m, k) for m in c.menu for k in c.how_many]
+    cache: dict = {}
+
+    def plan_for(view: GroupView, iv: Intervention, probe: bool = False):
+        key = (view.group, iv, probe, len(view.trajectories))
+        if key not in cache:
+            cache[key] = interventions.plan(iv, view.group, view.base, view.task, runners[view.family],
+                                            envs[view.family].system_prompt(), unit,
+                                            cfg.rollout.max_tokens_per_turn, probe=probe)
+        return cache[key]
+
+    def legal(view, menu):
+        return interventions.legal(view.base, menu)
+
+    def cost(view, iv):
+        p = plan_for(view, iv)
+        return None if p is None else p.cost
+
+    refill = cfg.budget.group_size if unit == "rollouts" else int(
+        cfg.budget.group_size * (tokens_per_rollout or cfg.max_rollout_tokens / 4))
+    m = Menu(items, legal, cost, refill)
+    m.plan_for = plan_for
+    return m
 
 
 class Controller(Protocol):
@@ -393,7 +427,7 @@ class RailController(_Reserving):
                     c = menu.cost(g, iv)
                     options.append(Option(iv.name, iv.key, iv.how_many, c, iv.features(), ref=iv))
             new.append(ScoredGroup(gid, g.family, g.task.level, [_record(t, menu is not None) for t in g.base],
-                                   options))
+                                   options, capacity=g.capacity))
         self.session.add(new)
 
     def _decide(self, groups, remaining, unit, menu):

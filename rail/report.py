@@ -106,3 +106,9 @@ def _controller(c: dict | None) -> list[str]:
                       f"bound [{t['diff_lower']:+.3f}, {t['diff_upper']:+.3f}])" for t in c["transitions"]) or "none"
     return [f"learned controller: {c['events']} decisions, final mode {c['mode']}; transitions: {moves}",
             f"  trace: {c['trace']}  (rail traces evaluate {c['trace']})"]
+
+
+def format_interventions(interventions: dict | None, controller_state: dict | None) -> str:
+    """The interventions table and the learned controller's line, as ``rail train`` prints them (the TRL adapter's
+    summary too)."""
+    return "\n".join([*_interventions(interventions), *_controller(controller_state)])

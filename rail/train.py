@@ -39,9 +39,7 @@ from policy.model import count_parameters, load_policy, resolve_device
 from policy.tokenizer import ChatRenderer
 from rail.budget import BudgetLedger, cost_of
 from rail.config import Config, merge, read_json, validate
-from rail import interventions
-from rail.controllers import CONTROLLERS, GroupView, Menu, Outcome
-from rail.interventions import Intervention
+from rail.controllers import CONTROLLERS, GroupView, Menu, Outcome, make_menu
 from rail.envs import ToolRunner, make_envs, rubric_status, safe_reward
 from rail.evaluate import eval_metrics, evaluate, mean_over, overall, task_counts
 from rail.policy_setup import RehearsalSource, make_policy
@@ -111,6 +109,107 @@ def _malformed(step) -> bool:
 
 def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
+
+
+def score(trajs, tasks, envs, on_error=None) -> None:
+    """Set each trajectory's verifier reward and rubric status; ``tasks[tr.group]`` is its (family, task). A
+    verifier that raises or returns a non-finite or out-of-range value gives reward 0 and calls
+    ``on_error(family, task, why)``. rail's training loop and the TRL and verl adapters score with it."""
+    for tr in trajs:
+        fam, task = tasks[tr.group]
+        env = envs[fam]
+        tr.reward, why = safe_reward(env, task, tr.steps)
+        if why is not None and on_error is not None:
+            on_error(fam, task, why)
+        tr.rubric = rubric_status(env, task, tr.steps)
+
+
+def intervention_metrics(groups: list, outcomes: list, budget_share: float, per_key: dict,
+                         totals: dict) -> dict[str, float]:
+    """A step's ``intervention/*`` metrics: per operator and placement (how@where) the decisions, rollouts,
+    successes, shift-filter acceptance and the groups each turned from zero-variance to informative, from the
+    step's group views and the outcomes of the decisions that ran (rollout ``status`` set by the learner's
+    filters: ``trained`` ones carry signal). ``per_key`` (how@where -> ``STAT_KEYS`` totals) and ``totals`` (group
+    counts) are the run's accumulators, updated in place for :func:`intervention_summary`. rail's training loop
+    and the TRL adapter report through it."""
+    per: dict[str, dict[str, float]] = {}
+    trained = {gv.group for gv in groups if any(t.status == "trained" for t in gv.trajectories)}
+    for o in outcomes:
+        if o.decision.refill:
+            continue
+        key = o.decision.intervention.key
+        d = per.setdefault(key, dict.fromkeys(STAT_KEYS, 0.0))
+        d["decisions"] += 1
+        d["rollouts"] += len(o.trajectories)
+        d["cost"] += o.cost
+        d["successes"] += o.successes
+        d["probes"] += len(o.trajectories) if o.decision.probe else 0
+        d["rejected"] += sum(t.status == "shift_rejected" for t in o.trajectories)
+        d["accepted"] += sum(t.status not in ("shift_rejected", "probe") for t in o.trajectories)
+    # a rescue is credited to the interventions whose accepted rollouts broke the tie of a zero-variance group
+    for o in outcomes:
+        gv = groups[o.decision.group] if not o.decision.refill else None
+        if gv is None or not gv.zero_variance_base or gv.group not in trained or not gv.base:
+            continue
+        tie = gv.base[0].reward
+        if any(t.status == "trained" and abs(t.reward - tie) > 1e-3 for t in o.trajectories):
+            per[o.decision.intervention.key]["rescued"] += 1
+    intervened_zero = sum(1 for gv in groups if gv.interventions and gv.zero_variance_base)
+    rescued = sum(1 for gv in groups if gv.interventions and gv.zero_variance_base and gv.group in trained)
+    for key, d in per.items():
+        acc = per_key.setdefault(key, dict.fromkeys(STAT_KEYS, 0.0))
+        for k, v in d.items():
+            acc[k] += v
+    for k, v in (("intervened_zero_variance_groups", intervened_zero), ("rescued_groups", rescued),
+                 ("zero_variance_groups", sum(gv.zero_variance_base for gv in groups if gv.n_base))):
+        totals[k] = totals.get(k, 0.0) + v
+    m: dict[str, float] = {}
+    for key, d in per.items():
+        m[f"intervention/{key}/decisions"] = d["decisions"]
+        m[f"intervention/{key}/rollouts"] = d["rollouts"]
+        m[f"intervention/{key}/success_rate"] = d["successes"] / d["rollouts"] if d["rollouts"] else 0.0
+        measured = d["accepted"] + d["rejected"]
+        m[f"intervention/{key}/accepted_share"] = d["accepted"] / measured if measured else 0.0
+        m[f"intervention/{key}/rescued_groups"] = d["rescued"]
+    n_roll = sum(d["rollouts"] for d in per.values())
+    n_acc = sum(d["accepted"] for d in per.values())
+    n_rej = sum(d["rejected"] for d in per.values())
+    m.update({
+        "intervention/decisions": float(sum(d["decisions"] for d in per.values())),
+        "intervention/rollouts": float(n_roll),
+        "intervention/success_rate": sum(d["successes"] for d in per.values()) / n_roll if n_roll else 0.0,
+        "intervention/accepted_share": n_acc / (n_acc + n_rej) if n_acc + n_rej else 0.0,
+        "intervention/rescued_groups": float(rescued),
+        "intervention/rescue_rate": rescued / intervened_zero if intervened_zero else 0.0,
+        "intervention/budget_share": budget_share,
+    })
+    return m
+
+
+def intervention_summary(per_key: dict, totals: dict, spent_base: float, spent_intervention: float) -> dict:
+    """The run's interventions for ``summary.json`` and the end-of-run table, from the accumulators that
+    :func:`intervention_metrics` fills and what the run spent on base and intervention rollouts."""
+    by = {k: {n: int(v) for n, v in d.items()} for k, d in sorted(per_key.items())}
+    acc = sum(d["accepted"] for d in per_key.values())
+    rej = sum(d["rejected"] for d in per_key.values())
+    rolls = sum(d["rollouts"] for d in per_key.values())
+    succ = sum(d["successes"] for d in per_key.values())
+    for d in by.values():
+        measured = d["accepted"] + d["rejected"]
+        d["success_rate"] = round(d["successes"] / d["rollouts"], 4) if d["rollouts"] else 0.0
+        d["accepted_share"] = round(d["accepted"] / measured, 4) if measured else 0.0
+    total = spent_base + spent_intervention
+    return {
+        "budget_share": spent_intervention / total if total else 0.0,
+        "rollouts": int(rolls),
+        "success_rate": succ / rolls if rolls else 0.0,
+        "acceptance_rate": acc / (acc + rej) if acc + rej else 0.0,
+        "rescued_groups": int(totals.get("rescued_groups", 0)),
+        "rescue_rate": (totals.get("rescued_groups", 0) / totals["intervened_zero_variance_groups"]
+                        if totals.get("intervened_zero_variance_groups") else 0.0),
+        "zero_variance_groups": int(totals.get("zero_variance_groups", 0)),
+        "by_operator": by,
+    }
 
 
 def resolve_out(cfg: Config) -> Path:
@@ -277,17 +376,14 @@ class Trainer:
         return out
 
     def _score(self, trajs, tasks) -> None:
-        for tr in trajs:
-            fam, task = tasks[tr.group]
-            env = self.envs[fam]
-            tr.reward, why = safe_reward(env, task, tr.steps)
-            if why is not None:  # reward 0 for this trajectory, counted; the first per family is also said
-                self._step_errors["reward"] += 1
-                if fam not in self._warned_reward:
-                    self._warned_reward.add(fam)
-                    warnings.warn(f"environment '{fam}': the verifier {why} for task {task.id}; that trajectory "
-                                  "gets reward 0 and training goes on (counted as errors/reward)", stacklevel=2)
-            tr.rubric = rubric_status(env, task, tr.steps)
+        def said(fam, task, why) -> None:  # reward 0 for that trajectory, counted; the first per family is said
+            self._step_errors["reward"] += 1
+            if fam not in self._warned_reward:
+                self._warned_reward.add(fam)
+                warnings.warn(f"environment '{fam}': the verifier {why} for task {task.id}; that trajectory "
+                              "gets reward 0 and training goes on (counted as errors/reward)", stacklevel=3)
+
+        score(trajs, tasks, self.envs, said)
 
     def _base_requests(self, tasks, first_group: int, n: int) -> list[RolloutRequest]:
         return [RolloutRequest(task=task, env=self.runners[fam], system=self.envs[fam].system_prompt(), group=first_group + i)
@@ -306,30 +402,7 @@ class Trainer:
                                     zero_variance_base=bool(rewards) and max(rewards) - min(rewards) < 1e-3))
 
     def _menu(self, groups) -> Menu:
-        cfg = self.cfg
-        menu = [Intervention.parse(m, k) for m in cfg.controller.menu for k in cfg.controller.how_many]
-        cache: dict = {}
-
-        def plan_for(view: GroupView, iv: Intervention, probe: bool = False):
-            key = (view.group, iv, probe, len(view.trajectories))
-            if key not in cache:
-                cache[key] = interventions.plan(iv, view.group, view.base, view.task, self.runners[view.family],
-                                                self.envs[view.family].system_prompt(), cfg.budget.unit,
-                                                cfg.rollout.max_tokens_per_turn, probe=probe)
-            return cache[key]
-
-        def legal(view, items):
-            return interventions.legal(view.base, items)
-
-        def cost(view, iv):
-            p = plan_for(view, iv)
-            return None if p is None else p.cost
-
-        refill = cfg.budget.group_size if cfg.budget.unit == "rollouts" else int(
-            cfg.budget.group_size * (self.state.tokens_per_rollout or cfg.max_rollout_tokens / 4))
-        m = Menu(menu, legal, cost, refill)
-        m.plan_for = plan_for
-        return m
+        return make_menu(self.cfg, self.envs, self.runners, self.state.tokens_per_rollout)
 
     def _intervene(self, step: int, budget, groups: list, tasks: list, all_trajs: list) -> list:
         """The controller's rounds; returns the outcomes of every decision that ran."""
@@ -501,62 +574,8 @@ class Trainer:
         return m
 
     def _intervention_metrics(self, groups: list, outcomes: list, budget) -> dict[str, float]:
-        """Per operator and placement (how@where): decisions, rollouts, successes, shift-filter acceptance and
-        the groups each turned from zero-variance to informative; totals are kept for the summary."""
-        per: dict[str, dict[str, float]] = {}
-        trained = {gv.group for gv in groups if any(t.status == "trained" for t in gv.trajectories)}
-        for o in outcomes:
-            if o.decision.refill:
-                continue
-            key = o.decision.intervention.key
-            d = per.setdefault(key, dict.fromkeys(STAT_KEYS, 0.0))
-            d["decisions"] += 1
-            d["rollouts"] += len(o.trajectories)
-            d["cost"] += o.cost
-            d["successes"] += o.successes
-            d["probes"] += len(o.trajectories) if o.decision.probe else 0
-            d["rejected"] += sum(t.status == "shift_rejected" for t in o.trajectories)
-            d["accepted"] += sum(t.status not in ("shift_rejected", "probe") for t in o.trajectories)
-        # a rescue is credited to the interventions whose accepted rollouts broke the tie of a zero-variance group
-        for o in outcomes:
-            gv = groups[o.decision.group] if not o.decision.refill else None
-            if gv is None or not gv.zero_variance_base or gv.group not in trained or not gv.base:
-                continue
-            tie = gv.base[0].reward
-            if any(t.status == "trained" and abs(t.reward - tie) > 1e-3 for t in o.trajectories):
-                per[o.decision.intervention.key]["rescued"] += 1
-        intervened_zero = sum(1 for gv in groups if gv.interventions and gv.zero_variance_base)
-        rescued = sum(1 for gv in groups if gv.interventions and gv.zero_variance_base and gv.group in trained)
-        tot = self.state.interventions
-        for key, d in per.items():
-            acc = tot.setdefault(key, dict.fromkeys(STAT_KEYS, 0.0))
-            for k, v in d.items():
-                acc[k] += v
-        tot_all = self.state.intervention_totals
-        for k, v in (("intervened_zero_variance_groups", intervened_zero), ("rescued_groups", rescued),
-                     ("zero_variance_groups", sum(gv.zero_variance_base for gv in groups if gv.n_base))):
-            tot_all[k] = tot_all.get(k, 0.0) + v
-        m: dict[str, float] = {}
-        for key, d in per.items():
-            m[f"intervention/{key}/decisions"] = d["decisions"]
-            m[f"intervention/{key}/rollouts"] = d["rollouts"]
-            m[f"intervention/{key}/success_rate"] = d["successes"] / d["rollouts"] if d["rollouts"] else 0.0
-            measured = d["accepted"] + d["rejected"]
-            m[f"intervention/{key}/accepted_share"] = d["accepted"] / measured if measured else 0.0
-            m[f"intervention/{key}/rescued_groups"] = d["rescued"]
-        n_roll = sum(d["rollouts"] for d in per.values())
-        n_acc = sum(d["accepted"] for d in per.values())
-        n_rej = sum(d["rejected"] for d in per.values())
-        m.update({
-            "intervention/decisions": float(sum(d["decisions"] for d in per.values())),
-            "intervention/rollouts": float(n_roll),
-            "intervention/success_rate": sum(d["successes"] for d in per.values()) / n_roll if n_roll else 0.0,
-            "intervention/accepted_share": n_acc / (n_acc + n_rej) if n_acc + n_rej else 0.0,
-            "intervention/rescued_groups": float(rescued),
-            "intervention/rescue_rate": rescued / intervened_zero if intervened_zero else 0.0,
-            "intervention/budget_share": budget.spent["intervention"] / budget.limit if budget.limit else 0.0,
-        })
-        return m
+        share = budget.spent["intervention"] / budget.limit if budget.limit else 0.0
+        return intervention_metrics(groups, outcomes, share, self.state.interventions, self.state.intervention_totals)
 
     # ------------------------------------------------------------------ run
     def _evaluate(self, step: int) -> dict:
@@ -671,29 +690,9 @@ class Trainer:
 
 
     def _intervention_summary(self) -> dict:
-        st, spent = self.state, self.ledger.spent
-        tot = st.intervention_totals
-        by = {k: {n: int(v) for n, v in d.items()} for k, d in sorted(st.interventions.items())}
-        acc = sum(d["accepted"] for d in st.interventions.values())
-        rej = sum(d["rejected"] for d in st.interventions.values())
-        rolls = sum(d["rollouts"] for d in st.interventions.values())
-        succ = sum(d["successes"] for d in st.interventions.values())
-        for d in by.values():
-            measured = d["accepted"] + d["rejected"]
-            d["success_rate"] = round(d["successes"] / d["rollouts"], 4) if d["rollouts"] else 0.0
-            d["accepted_share"] = round(d["accepted"] / measured, 4) if measured else 0.0
-        total = spent["base"] + spent["intervention"]
-        return {
-            "budget_share": spent["intervention"] / total if total else 0.0,
-            "rollouts": int(rolls),
-            "success_rate": succ / rolls if rolls else 0.0,
-            "acceptance_rate": acc / (acc + rej) if acc + rej else 0.0,
-            "rescued_groups": int(tot.get("rescued_groups", 0)),
-            "rescue_rate": (tot.get("rescued_groups", 0) / tot["intervened_zero_variance_groups"]
-                            if tot.get("intervened_zero_variance_groups") else 0.0),
-            "zero_variance_groups": int(tot.get("zero_variance_groups", 0)),
-            "by_operator": by,
-        }
+        spent = self.ledger.spent
+        return intervention_summary(self.state.interventions, self.state.intervention_totals, spent["base"],
+                                    spent["intervention"])
 
 
 def start_run(cfg: Config, show_progress: bool = True) -> tuple[Trainer, Path]:
