@@ -11,6 +11,7 @@ log-probs) and may carry :class:`~policy.records.Guidance` that is marked so the
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -207,6 +208,73 @@ def run_episodes(episodes: list[Episode], renderer: ChatRenderer, params: Sampli
     return [e.traj for e in episodes]
 
 
+#: The fewest rows a decode step runs on when it leaves the rows that ended their turn out. Below about 16 rows
+#: the BLAS takes other kernels (MKL: a linear layer's rows then round differently than in a larger batch), so a
+#: smaller step would not give each row bit for bit the logits the whole batch gives it.
+MIN_STEP_ROWS = 16
+
+try:  # transformers >= 4.56 keeps a DynamicCache's tensors in per-layer objects
+    from transformers.cache_utils import DynamicLayer as _DynamicLayer
+except ImportError:  # older caches are used as the model returns them
+    _DynamicLayer = None
+
+
+class _RoomyLayer(_DynamicLayer or object):
+    """A ``DynamicLayer`` whose keys and values are views into zero-filled buffers with room to grow.
+
+    ``DynamicLayer`` appends with ``torch.cat``, copying the whole cache in every layer at every decode step; here
+    a step writes its column in place. The room stays zero until written, so columns added for some rows only
+    (:meth:`append_rows`) hold finite values where the other rows are masked: a masked column gets weight exactly
+    0, so what it holds never changes a result.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+        super().__init__()
+        self.is_initialized, self.device, self.dtype = True, keys.device, keys.dtype
+        self._hold(keys, values, room)
+
+    def _hold(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
+        B, H, n, D = keys.shape
+        self._k, self._v = keys.new_zeros((B, H, n + room, D)), values.new_zeros((B, H, n + room, D))
+        self._k[:, :, :n], self._v[:, :, :n] = keys, values
+        self._view(n)
+
+    def _view(self, n: int) -> None:
+        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]  # (B, H, n, D)
+
+    def reserve(self, extra: int) -> None:
+        """Make room for ``extra`` more columns (one copy now instead of one per step)."""
+        if self.keys.shape[-2] + extra > self._k.shape[-2]:
+            self._hold(self.keys, self.values, extra)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n, s = self.keys.shape[-2], key_states.shape[-2]
+        self.reserve(s)
+        self._k[:, :, n:n + s], self._v[:, :, n:n + s] = key_states, value_states
+        self._view(n + s)
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._k, self._v = self._k[indices], self._v[indices]
+        self._view(self.keys.shape[-2])
+
+    def drop_leading(self, first: int) -> None:
+        n = self.keys.shape[-2]
+        self._k, self._v = self._k[:, :, first:], self._v[:, :, first:]
+        self._view(n - first)
+
+    def rows(self, rows: torch.Tensor, room: int) -> "_RoomyLayer":
+        """A copy of these rows, with room for ``room`` more columns."""
+        return _RoomyLayer(self.keys[rows], self.values[rows], room)
+
+    def append_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append ``keys``/``values`` (len(rows), H, k, D) as ``k`` new columns of ``rows``; the others get zeros."""
+        n, k = self.keys.shape[-2], keys.shape[-2]
+        self.reserve(k)
+        self._k[rows, :, n:n + k], self._v[rows, :, n:n + k] = keys, values
+        self._view(n + k)
+
+
 class _Chunk:
     """Up to ``batch_size`` episodes that share one KV cache for their whole lifetime.
 
@@ -216,6 +284,9 @@ class _Chunk:
     sits out (it ended its turn early) are masked, so the cache has holes that no row ever attends to; position
     ids are each row's own token count, so a row sees exactly its unpadded context. Rows whose episode finished
     are dropped from the cache between turns.
+
+    With transformers' per-layer ``DynamicCache`` (``roomy``), the cache grows in place and a turn's last decode
+    steps can run on some of the rows only (:meth:`split`, :meth:`merge`).
     """
 
     def __init__(self, episodes: list[Episode]):
@@ -223,6 +294,20 @@ class _Chunk:
         self.cache = None
         self.attn: torch.Tensor | None = None  # (B, cache length), 1 where the cache holds a real token
         self.fed = [0] * len(episodes)
+        self.roomy = False
+
+    def adopt(self, cache, room: int) -> None:
+        """Take the cache the first forward returned; make its layers roomy when they are plain DynamicLayers."""
+        layers = getattr(cache, "layers", None)
+        if _DynamicLayer is not None and layers and all(type(la) is _DynamicLayer for la in layers):
+            layers[:] = [_RoomyLayer(la.keys, la.values, room) for la in layers]
+            self.roomy = True
+        self.cache = cache
+
+    def reserve(self, extra: int) -> None:
+        if self.roomy:
+            for la in self.cache.layers:
+                la.reserve(extra)
 
     def compact(self) -> None:
         """Drop the rows whose episode finished, from the episodes and from the cache."""
@@ -234,7 +319,7 @@ class _Chunk:
         if self.cache is None:  # nothing fed yet (an injected step ended the episode before any sampling)
             return
         if not keep:
-            self.cache, self.attn = None, None
+            self.cache, self.attn, self.roomy = None, None, False
             return
         idx = torch.tensor(keep, device=self.attn.device)
         self.cache.batch_select_indices(idx)
@@ -243,10 +328,34 @@ class _Chunk:
         used = self.attn.any(dim=0).nonzero()
         first = int(used[0]) if len(used) else 0
         layers = getattr(self.cache, "layers", None)  # transformers 5's DynamicCache; older caches keep them all
-        if first > 0 and layers is not None and all(getattr(la, "keys", None) is not None for la in layers):
+        if first > 0 and self.roomy:
+            for layer in layers:
+                layer.drop_leading(first)
+            self.attn = self.attn[:, first:]
+        elif first > 0 and layers is not None and all(getattr(la, "keys", None) is not None for la in layers):
             for layer in layers:
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
             self.attn = self.attn[:, first:]
+
+    def split(self, rows: torch.Tensor, room: int) -> "_Chunk":
+        """A chunk of copies of ``rows``' cache and mask, for decode steps the other rows sit out."""
+        sub = _Chunk([self.eps[b] for b in rows.tolist()])
+        sub.cache = copy.copy(self.cache)
+        sub.cache.layers = [la.rows(rows, room) for la in self.cache.layers]
+        sub.attn, sub.roomy = self.attn[rows], True
+        return sub
+
+    def merge(self, sub: "_Chunk", rows: torch.Tensor) -> None:
+        """Append the columns ``sub`` (split from ``rows``) added to this cache, masked for the other rows."""
+        n = self.attn.shape[1]
+        k = sub.attn.shape[1] - n
+        if k == 0:
+            return
+        for la, s in zip(self.cache.layers, sub.cache.layers):
+            la.append_rows(rows, s.keys[:, :, n:], s.values[:, :, n:])
+        new = self.attn.new_zeros((self.attn.shape[0], k))
+        new[rows] = sub.attn[:, n:]
+        self.attn = torch.cat([self.attn, new], dim=1)
 
 
 class TransformersEngine:
@@ -255,12 +364,20 @@ class TransformersEngine:
     Each chunk of up to ``batch_size`` episodes keeps its cache from the first prompt token to the end of its
     episodes: a turn feeds only what is new (the tool observation and the next turn's header), so a rollout's
     context is encoded once instead of once per turn. Finished episodes leave the cache between turns.
+
+    Within a turn, once enough rows have written their end-of-turn token, the remaining decode steps run on the
+    rows still sampling (at least ``MIN_STEP_ROWS``), on a copy of their cache rows that is merged back at the end
+    of the turn. Sampling still draws over the whole chunk (rows that sit out keep their last logits): the
+    random stream, and so every sampled token, is the same as if every row took every step.
+    ``split_steps=False`` keeps every row in every step.
     """
 
-    def __init__(self, model: torch.nn.Module, renderer: ChatRenderer, batch_size: int = 256):
+    def __init__(self, model: torch.nn.Module, renderer: ChatRenderer, batch_size: int = 256,
+                 split_steps: bool = True):
         self.model = model
         self.renderer = renderer
         self.batch_size = batch_size
+        self.split_steps = split_steps
         self.stats = EngineStats()
         # transformers >= 5.2x renamed the cache argument; take whichever this version's forward accepts
         params = inspect.signature(model.forward).parameters
@@ -296,18 +413,22 @@ class TransformersEngine:
         cache = getattr(out, "cache", None)
         return cache if cache is not None else out.past_key_values
 
-    def _forward(self, ch: _Chunk, input_ids, new_attn, pos) -> torch.Tensor:
+    def _forward(self, ch: _Chunk, input_ids, new_attn, pos, room: int = 0) -> torch.Tensor:
         """Append ``input_ids`` (B, S) to the chunk's cache; return the last position's logits (B, V)."""
         ch.attn = new_attn if ch.attn is None else torch.cat([ch.attn, new_attn], dim=1)
         kw = {} if ch.cache is None else {self._cache_kw: ch.cache}
         out = self.model(input_ids=input_ids, attention_mask=ch.attn, position_ids=pos, use_cache=True,
                          logits_to_keep=1, **kw)
         self.stats.forward_calls += 1
-        ch.cache = self._cache_of(out)
+        if ch.cache is None:
+            ch.adopt(self._cache_of(out), room)
+        else:
+            ch.cache = self._cache_of(out)
         return out.logits[:, -1]
 
-    def _feed_pending(self, ch: _Chunk, device) -> torch.Tensor:
-        """Feed every row's context beyond ``fed`` (left-padded); return the next-token logits (B, V)."""
+    def _feed_pending(self, ch: _Chunk, device, room: int) -> torch.Tensor:
+        """Feed every row's context beyond ``fed`` (left-padded); return the next-token logits (B, V). The cache
+        gets room for ``room`` more columns after the feed."""
         pend = [e.context()[f:] for e, f in zip(ch.eps, ch.fed)]
         B, S = len(pend), max(len(p) for p in pend)
         ids = torch.full((B, S), self.renderer.pad, dtype=torch.long)
@@ -320,7 +441,27 @@ class TransformersEngine:
             pos[b, S - n:] = torch.arange(ch.fed[b], ch.fed[b] + n)
             pos[b, : S - n] = ch.fed[b]  # padding: masked, any position will do
             ch.fed[b] += n
-        return self._forward(ch, ids.to(device), attn.to(device), pos.to(device))
+        ch.reserve(S + room)
+        return self._forward(ch, ids.to(device), attn.to(device), pos.to(device), room)
+
+    def _step_rows(self, ch: _Chunk, sub: _Chunk | None, rows: torch.Tensor | None, alive: torch.Tensor,
+                   room: int):
+        """The rows the next decode step runs on: all of the chunk (``sub`` None) or a split-off part of it.
+
+        A step leaves rows out once at most half of those in the current step are needed: the rows still
+        sampling, and at least one that sits out, so the step's mask has a hole as the whole batch's would
+        (transformers drops an all-ones mask and takes another attention path), filled up to MIN_STEP_ROWS.
+        """
+        n_alive = int(alive.sum())
+        need = max(n_alive + 1, MIN_STEP_ROWS)
+        current = len(ch.eps) if sub is None else len(sub.eps)
+        if not (self.split_steps and ch.roomy and 2 * need <= current):
+            return sub, rows
+        if sub is not None:
+            ch.merge(sub, rows)
+        out = (~alive).nonzero()[:, 0]
+        rows = torch.cat([alive.nonzero()[:, 0], out[: need - n_alive]]).sort().values
+        return ch.split(rows.to(ch.attn.device), room), rows
 
     def _sample_turn(self, ch: _Chunk, params: SamplingParams, gen: torch.Generator, budget: list) -> None:
         """Sample one assistant turn for each episode of the chunk, stopping at end-of-turn.
@@ -331,13 +472,14 @@ class TransformersEngine:
         """
         device = next(self.model.parameters()).device
         eps = ch.eps
-        logits = self._feed_pending(ch, device)
+        logits = self._feed_pending(ch, device, params.max_tokens_per_turn)
         B = len(eps)
         alive = torch.ones(B, dtype=torch.bool)  # rows still sampling their turn
         cut = torch.zeros(B, dtype=torch.bool)  # rows the token budget stopped mid-turn
         fed = torch.tensor(ch.fed)
         toks, lps, live = [], [], []  # per decode step: (B,) tokens, log-probs, rows that sampled
         eot, pad = self.renderer.end_of_turn, self.renderer.pad
+        sub, rows = None, None  # the split-off rows the decode steps run on, if any
         for k in range(params.max_tokens_per_turn):
             n_alive = int(alive.sum())
             if n_alive == 0:
@@ -353,10 +495,18 @@ class TransformersEngine:
             alive = alive & (tok != eot)
             if k == params.max_tokens_per_turn - 1 or not bool(alive.any()):
                 break
+            sub, rows = self._step_rows(ch, sub, rows, alive, params.max_tokens_per_turn - 1 - k)
             step_in = torch.where(alive, tok, torch.full_like(tok, pad))[:, None]  # (B, 1)
             pos = fed[:, None].clone()  # (B, 1)
             fed += alive.long()
-            logits = self._forward(ch, step_in.to(device), alive.long()[:, None].to(device), pos.to(device))
+            step_attn = alive.long()[:, None]
+            if sub is None:
+                logits = self._forward(ch, step_in.to(device), step_attn.to(device), pos.to(device))
+            else:  # rows that sit out keep their last logits: sampled over, never used
+                part = self._forward(sub, step_in[rows].to(device), step_attn[rows].to(device), pos[rows].to(device))
+                logits = logits.index_copy(0, rows.to(logits.device), part)
+        if sub is not None:
+            ch.merge(sub, rows)
         ch.fed = fed.tolist()
         T = torch.stack(toks, 1).tolist() if toks else [[] for _ in range(B)]  # (B, steps)
         P = torch.stack(lps, 1).tolist() if toks else T

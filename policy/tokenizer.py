@@ -69,6 +69,7 @@ class ChatRenderer:
         last = len(self._dummy_ids) - 1 - self._dummy_ids[::-1].index(self.end_of_turn)
         self._after_turn = self._dummy_ids[last + 1:]
         self._prompts: dict = {}
+        self._suffixes: dict[str, list[int]] = {}
 
     def _ids(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
         kw = {"tools": tools} if tools else {}
@@ -92,8 +93,15 @@ class ChatRenderer:
         return self._prompt_ids([{"role": "system", "content": system}, {"role": "user", "content": user}], tools)
 
     def tool_suffix(self, observation: str) -> list[int]:
-        """Tokens after an assistant turn's end: the tool message and the next assistant header."""
-        return self._suffix_many([{"role": "tool", "content": observation}])
+        """Tokens after an assistant turn's end: the tool message and the next assistant header.
+
+        Observations repeat (an entity, a number, an error message) and rendering the template is a good part of
+        a rollout's time on a small model, so suffixes are kept like prompts."""
+        if observation not in self._suffixes:
+            if len(self._suffixes) > 4096:
+                self._suffixes.clear()
+            self._suffixes[observation] = self._suffix_many([{"role": "tool", "content": observation}])
+        return list(self._suffixes[observation])
 
     def _suffix_many(self, messages: list[dict]) -> list[int]:
         full = self._ids([*self._dummy, *messages], generation_prompt=True)
