@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
@@ -91,8 +92,78 @@ def sample_tokens(
             keep = sp.cumsum(dim=-1) - sp < top_p  # always keeps the top token
             sp = sp * keep
             probs = torch.zeros_like(probs).scatter(-1, si, sp)
-        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tok = draw_tokens(probs, generator)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+#: Ratios within this factor of a row's largest are decided on the exact noise (the approximate noise is off by
+#: at most a float rounding, about 1e-7).
+_NEAR = 1e-4
+_fast_draw: bool | None = None  # whether this torch draws as draw_tokens expects (checked once, on first use)
+
+
+def draw_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``torch.multinomial(probs, 1, generator)[:, 0]``, faster on CPU: the same tokens, the same generator state.
+
+    torch draws one token per row as argmax(probs / q) with q ~ Exp(1) from ``exponential_`` over the whole
+    (B, V) tensor; on CPU each q is float(-log1p(-u)) with u one uniform double of the generator, computed with a
+    scalar log1p that takes most of a small model's sampling time. Here u comes from ``uniform_`` (the same draws,
+    in the same order), q from torch's vectorised log1p, and a row whose largest ratios lie within ``_NEAR`` of
+    each other is decided on the exact q of those candidates. Whether this torch draws that way is checked once
+    against torch.multinomial itself; where it does not (or on another device), torch.multinomial draws.
+    """
+    global _fast_draw
+    if probs.device.type != "cpu" or probs.dtype != torch.float32 or probs.dim() != 2:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if _fast_draw is None:
+        _fast_draw = _draws_like_torch()
+    if not _fast_draw:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return _draw(probs, generator)
+
+
+def _exact_noise(u: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise from uniform doubles exactly as torch's CPU ``exponential_`` makes it (scalar log1p)."""
+    return torch.tensor([-math.log1p(-x) for x in u.tolist()], dtype=torch.float64).float()
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    if float(probs.min()) < 0:  # torch.multinomial's checks; nan, inf and all-zero rows are caught below
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    u = torch.empty(probs.shape, dtype=torch.float64).uniform_(generator=generator)  # (B, V)
+    ratio = probs / torch.log1p(u.neg()).neg_().float()  # (B, V)
+    best, tok = ratio.max(dim=-1)
+    near = ratio >= (best * (1 - _NEAR))[:, None]  # (B, V): where the exact argmax can be
+    odd = ~(best > 0) | (best == math.inf)  # a nan, inf or all-zero row, or a zero draw (q = 0)
+    for b in ((near.sum(-1) > 1) | odd).nonzero()[:, 0].tolist():
+        if odd[b]:  # what torch.multinomial checks, here only where something is off
+            p = probs[b]
+            if not (float(p.min()) >= 0 and float(p.max()) < math.inf):
+                raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+            if float(p.sum()) <= 0:
+                raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
+        # a close call or a zero draw: torch's own arithmetic on the candidates (a whole row with an inf ratio),
+        # argmax taking the first of equal values as torch's does
+        idx = torch.arange(probs.shape[1]) if odd[b] else near[b].nonzero()[:, 0]
+        tok[b] = idx[int((probs[b, idx] / _exact_noise(u[b, idx])).argmax())]
+    return tok
+
+
+def _draws_like_torch() -> bool:
+    """Whether ``_draw`` gives torch.multinomial's tokens and generator state on this torch build."""
+    g = torch.Generator().manual_seed(1234)
+    a, b = torch.Generator(), torch.Generator()
+    a.set_state(g.get_state()), b.set_state(g.get_state())
+    q = torch.empty(8192).exponential_(generator=a)
+    u = torch.empty(8192, dtype=torch.float64).uniform_(generator=b)
+    if not (torch.equal(q, _exact_noise(u)) and torch.equal(a.get_state(), b.get_state())):
+        return False
+    probs = torch.softmax(3 * torch.randn(64, 257, generator=g), dim=-1)
+    probs[::3, 1::2] = 0  # rows with zeros, as top-p leaves them
+    probs[5] = probs[5, 0]  # a row of equal ratios but for the noise
+    a.set_state(g.get_state()), b.set_state(g.get_state())
+    want = torch.multinomial(probs, 1, generator=a).squeeze(-1)
+    return torch.equal(_draw(probs, b), want) and torch.equal(a.get_state(), b.get_state())
 
 
 class Episode:
@@ -235,17 +306,19 @@ class _RoomyLayer(_DynamicLayer or object):
 
     def _hold(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
         B, H, n, D = keys.shape
-        self._k, self._v = keys.new_zeros((B, H, n + room, D)), values.new_zeros((B, H, n + room, D))
+        self._k, self._v = keys.new_empty((B, H, n + room, D)), values.new_empty((B, H, n + room, D))
         self._k[:, :, :n], self._v[:, :, :n] = keys, values
+        self._k[:, :, n:], self._v[:, :, n:] = 0, 0
         self._view(n)
 
     def _view(self, n: int) -> None:
         self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]  # (B, H, n, D)
 
     def reserve(self, extra: int) -> None:
-        """Make room for ``extra`` more columns (one copy now instead of one per step)."""
+        """Make room for ``extra`` more columns (one copy now instead of one per step), and some more: a
+        turn's feed then rarely copies the cache again."""
         if self.keys.shape[-2] + extra > self._k.shape[-2]:
-            self._hold(self.keys, self.values, extra)
+            self._hold(self.keys, self.values, extra + 64)
 
     def update(self, key_states, value_states, *args, **kwargs):
         n, s = self.keys.shape[-2], key_states.shape[-2]
@@ -378,6 +451,7 @@ class TransformersEngine:
         self.renderer = renderer
         self.batch_size = batch_size
         self.split_steps = split_steps
+        self.split_share = 0.5
         self.stats = EngineStats()
         # transformers >= 5.2x renamed the cache argument; take whichever this version's forward accepts
         params = inspect.signature(model.forward).parameters
@@ -455,7 +529,7 @@ class TransformersEngine:
         n_alive = int(alive.sum())
         need = max(n_alive + 1, MIN_STEP_ROWS)
         current = len(ch.eps) if sub is None else len(sub.eps)
-        if not (self.split_steps and ch.roomy and 2 * need <= current):
+        if not (self.split_steps and ch.roomy and need <= self.split_share * current):
             return sub, rows
         if sub is not None:
             ch.merge(sub, rows)
