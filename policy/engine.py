@@ -73,12 +73,15 @@ class RolloutEngine(Protocol):
 
 
 def sample_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
+    rows: torch.Tensor | None = None, batch: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (tokens (B,), behaviour log-probs (B,)).
 
     The recorded log-prob is log softmax(logits / T) of the sampled token (T = 1 when greedy), i.e. the
-    distribution the learner recomputes; top-p only restricts which tokens can be drawn.
+    distribution the learner recomputes; top-p only restricts which tokens can be drawn. With ``rows``, the
+    logits are those rows (indices) of a batch of ``batch`` rows whose other rows need no token: the generator
+    draws as for the whole batch, so each row gets the token that sampling every row would give it.
     """
     logits = logits.float()  # (B, V)
     t = temperature if temperature > 0 else 1.0
@@ -92,7 +95,7 @@ def sample_tokens(
             keep = sp.cumsum(dim=-1) - sp < top_p  # always keeps the top token
             sp = sp * keep
             probs = torch.zeros_like(probs).scatter(-1, si, sp)
-        tok = draw_tokens(probs, generator)
+        tok = draw_tokens(probs, generator, rows, batch)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
@@ -102,8 +105,10 @@ _NEAR = 1e-4
 _fast_draw: bool | None = None  # whether this torch draws as draw_tokens expects (checked once, on first use)
 
 
-def draw_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``torch.multinomial(probs, 1, generator)[:, 0]``, faster on CPU: the same tokens, the same generator state.
+def draw_tokens(probs: torch.Tensor, generator: torch.Generator, rows: torch.Tensor | None = None,
+                batch: int | None = None) -> torch.Tensor:
+    """``torch.multinomial(probs, 1, generator)[:, 0]``, faster on CPU: the same tokens, the same generator state
+    (with ``rows``: ``probs`` holds those rows of a batch of ``batch``, drawn for as the whole batch).
 
     torch draws one token per row as argmax(probs / q) with q ~ Exp(1) from ``exponential_`` over the whole
     (B, V) tensor; on CPU each q is float(-log1p(-u)) with u one uniform double of the generator, computed with a
@@ -113,13 +118,16 @@ def draw_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     against torch.multinomial itself; where it does not (or on another device), torch.multinomial draws.
     """
     global _fast_draw
-    if probs.device.type != "cpu" or probs.dtype != torch.float32 or probs.dim() != 2:
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    if _fast_draw is None:
+    fast = probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2
+    if fast and _fast_draw is None:
         _fast_draw = _draws_like_torch()
-    if not _fast_draw:
+    if fast and _fast_draw:
+        return _draw(probs, generator, rows, batch)
+    if rows is None:
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return _draw(probs, generator)
+    full = probs.new_ones((batch, probs.shape[1]))  # the other rows: any distribution will do
+    full[rows.to(probs.device)] = probs
+    return torch.multinomial(full, 1, generator=generator).squeeze(-1)[rows.to(probs.device)]
 
 
 def _exact_noise(u: torch.Tensor) -> torch.Tensor:
@@ -127,10 +135,14 @@ def _exact_noise(u: torch.Tensor) -> torch.Tensor:
     return torch.tensor([-math.log1p(-x) for x in u.tolist()], dtype=torch.float64).float()
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def _draw(probs: torch.Tensor, generator: torch.Generator, rows: torch.Tensor | None = None,
+          batch: int | None = None) -> torch.Tensor:
     if float(probs.min()) < 0:  # torch.multinomial's checks; nan, inf and all-zero rows are caught below
         raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-    u = torch.empty(probs.shape, dtype=torch.float64).uniform_(generator=generator)  # (B, V)
+    shape = probs.shape if rows is None else (batch, probs.shape[1])
+    u = torch.empty(shape, dtype=torch.float64).uniform_(generator=generator)  # (batch, V)
+    if rows is not None:
+        u = u[rows]  # (B, V)
     ratio = probs / torch.log1p(u.neg()).neg_().float()  # (B, V)
     best, tok = ratio.max(dim=-1)
     near = ratio >= (best * (1 - _NEAR))[:, None]  # (B, V): where the exact argmax can be
@@ -163,7 +175,12 @@ def _draws_like_torch() -> bool:
     probs[5] = probs[5, 0]  # a row of equal ratios but for the noise
     a.set_state(g.get_state()), b.set_state(g.get_state())
     want = torch.multinomial(probs, 1, generator=a).squeeze(-1)
-    return torch.equal(_draw(probs, b), want) and torch.equal(a.get_state(), b.get_state())
+    if not (torch.equal(_draw(probs, b), want) and torch.equal(a.get_state(), b.get_state())):
+        return False
+    rows = torch.arange(1, 64, 3)
+    a.set_state(g.get_state()), b.set_state(g.get_state())
+    want = torch.multinomial(probs, 1, generator=a).squeeze(-1)[rows]
+    return torch.equal(_draw(probs[rows], b, rows, 64), want) and torch.equal(a.get_state(), b.get_state())
 
 
 class Episode:
@@ -554,6 +571,7 @@ class TransformersEngine:
         toks, lps, live = [], [], []  # per decode step: (B,) tokens, log-probs, rows that sampled
         eot, pad = self.renderer.end_of_turn, self.renderer.pad
         sub, rows = None, None  # the split-off rows the decode steps run on, if any
+        logit_rows = None
         for k in range(params.max_tokens_per_turn):
             n_alive = int(alive.sum())
             if n_alive == 0:
@@ -561,8 +579,15 @@ class TransformersEngine:
             if budget[0] < n_alive:
                 cut = alive.clone()
                 break
-            tok, lp = sample_tokens(logits, params.temperature, params.top_p, gen)
-            tok, lp = tok.cpu(), lp.cpu()
+            # only the rows still in their turn are sampled; the generator draws for the whole chunk
+            at = alive.nonzero()[:, 0]
+            if logit_rows is None:
+                x = logits if n_alive == B else logits[at.to(logits.device)]
+            else:
+                x = logits[torch.searchsorted(logit_rows, at).to(logits.device)]
+            tok_at, lp_at = sample_tokens(x, params.temperature, params.top_p, gen, at, B)
+            tok, lp = torch.full((B,), pad), torch.zeros(B)
+            tok[at], lp[at] = tok_at.cpu(), lp_at.cpu()
             toks.append(tok), lps.append(lp), live.append(alive)
             budget[0] -= n_alive
             self.stats.generated_tokens += n_alive
@@ -576,9 +601,9 @@ class TransformersEngine:
             step_attn = alive.long()[:, None]
             if sub is None:
                 logits = self._forward(ch, step_in.to(device), step_attn.to(device), pos.to(device))
-            else:  # rows that sit out keep their last logits: sampled over, never used
-                part = self._forward(sub, step_in[rows].to(device), step_attn[rows].to(device), pos[rows].to(device))
-                logits = logits.index_copy(0, rows.to(logits.device), part)
+            else:
+                logits = self._forward(sub, step_in[rows].to(device), step_attn[rows].to(device), pos[rows].to(device))
+            logit_rows = rows  # the rows ``logits`` holds (None: all)
         if sub is not None:
             ch.merge(sub, rows)
         ch.fed = fed.tolist()
