@@ -11,16 +11,16 @@ log-probs) and may carry :class:`~policy.records.Guidance` that is marked so the
 
 from __future__ import annotations
 
-import copy
 import inspect
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 import torch
 
+from policy.kvcache import make_roomy, merge_rows, split_rows
 from policy.records import Guidance, Origin, Trajectory
+from policy.sampling import sample_tokens
 from policy.tokenizer import ChatRenderer
 
 
@@ -55,6 +55,7 @@ class RolloutRequest:
 class EngineStats:
     generated_tokens: int = 0
     forward_calls: int = 0
+    decode_rows: int = 0  # rows the decode steps ran on (a row that sat a step out is not counted)
     seconds: float = 0.0
     tool_seconds: float = 0.0
 
@@ -70,117 +71,6 @@ class RolloutEngine(Protocol):
         max_new_tokens: int | None = None,
     ) -> list[Trajectory]:
         """Generate one trajectory per request; never sample more than ``max_new_tokens`` in total."""
-
-
-def sample_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
-    rows: torch.Tensor | None = None, batch: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return (tokens (B,), behaviour log-probs (B,)).
-
-    The recorded log-prob is log softmax(logits / T) of the sampled token (T = 1 when greedy), i.e. the
-    distribution the learner recomputes; top-p only restricts which tokens can be drawn. With ``rows``, the
-    logits are those rows (indices) of a batch of ``batch`` rows whose other rows need no token: the generator
-    draws as for the whole batch, so each row gets the token that sampling every row would give it.
-    """
-    logits = logits.float()  # (B, V)
-    t = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits / t, dim=-1)  # (B, V)
-    if temperature <= 0:
-        tok = logp.argmax(dim=-1)
-    else:
-        probs = logp.exp()
-        if top_p < 1.0:
-            sp, si = probs.sort(dim=-1, descending=True)
-            keep = sp.cumsum(dim=-1) - sp < top_p  # always keeps the top token
-            sp = sp * keep
-            probs = torch.zeros_like(probs).scatter(-1, si, sp)
-        tok = draw_tokens(probs, generator, rows, batch)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-
-
-#: Ratios within this factor of a row's largest are decided on the exact noise (the approximate noise is off by
-#: at most a float rounding, about 1e-7).
-_NEAR = 1e-4
-_fast_draw: bool | None = None  # whether this torch draws as draw_tokens expects (checked once, on first use)
-
-
-def draw_tokens(probs: torch.Tensor, generator: torch.Generator, rows: torch.Tensor | None = None,
-                batch: int | None = None) -> torch.Tensor:
-    """``torch.multinomial(probs, 1, generator)[:, 0]``, faster on CPU: the same tokens, the same generator state
-    (with ``rows``: ``probs`` holds those rows of a batch of ``batch``, drawn for as the whole batch).
-
-    torch draws one token per row as argmax(probs / q) with q ~ Exp(1) from ``exponential_`` over the whole
-    (B, V) tensor; on CPU each q is float(-log1p(-u)) with u one uniform double of the generator, computed with a
-    scalar log1p that takes most of a small model's sampling time. Here u comes from ``uniform_`` (the same draws,
-    in the same order), q from torch's vectorised log1p, and a row whose largest ratios lie within ``_NEAR`` of
-    each other is decided on the exact q of those candidates. Whether this torch draws that way is checked once
-    against torch.multinomial itself; where it does not (or on another device), torch.multinomial draws.
-    """
-    global _fast_draw
-    fast = probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2
-    if fast and _fast_draw is None:
-        _fast_draw = _draws_like_torch()
-    if fast and _fast_draw:
-        return _draw(probs, generator, rows, batch)
-    if rows is None:
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    full = probs.new_ones((batch, probs.shape[1]))  # the other rows: any distribution will do
-    full[rows.to(probs.device)] = probs
-    return torch.multinomial(full, 1, generator=generator).squeeze(-1)[rows.to(probs.device)]
-
-
-def _exact_noise(u: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise from uniform doubles exactly as torch's CPU ``exponential_`` makes it (scalar log1p)."""
-    return torch.tensor([-math.log1p(-x) for x in u.tolist()], dtype=torch.float64).float()
-
-
-def _draw(probs: torch.Tensor, generator: torch.Generator, rows: torch.Tensor | None = None,
-          batch: int | None = None) -> torch.Tensor:
-    if float(probs.min()) < 0:  # torch.multinomial's checks; nan, inf and all-zero rows are caught below
-        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-    shape = probs.shape if rows is None else (batch, probs.shape[1])
-    u = torch.empty(shape, dtype=torch.float64).uniform_(generator=generator)  # (batch, V)
-    if rows is not None:
-        u = u[rows]  # (B, V)
-    ratio = probs / torch.log1p(u.neg()).neg_().float()  # (B, V)
-    best, tok = ratio.max(dim=-1)
-    near = ratio >= (best * (1 - _NEAR))[:, None]  # (B, V): where the exact argmax can be
-    odd = ~(best > 0) | (best == math.inf)  # a nan, inf or all-zero row, or a zero draw (q = 0)
-    for b in ((near.sum(-1) > 1) | odd).nonzero()[:, 0].tolist():
-        if odd[b]:  # what torch.multinomial checks, here only where something is off
-            p = probs[b]
-            if not (float(p.min()) >= 0 and float(p.max()) < math.inf):
-                raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-            if float(p.sum()) <= 0:
-                raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
-        # a close call or a zero draw: torch's own arithmetic on the candidates (a whole row with an inf ratio),
-        # argmax taking the first of equal values as torch's does
-        idx = torch.arange(probs.shape[1]) if odd[b] else near[b].nonzero()[:, 0]
-        tok[b] = idx[int((probs[b, idx] / _exact_noise(u[b, idx])).argmax())]
-    return tok
-
-
-def _draws_like_torch() -> bool:
-    """Whether ``_draw`` gives torch.multinomial's tokens and generator state on this torch build."""
-    g = torch.Generator().manual_seed(1234)
-    a, b = torch.Generator(), torch.Generator()
-    a.set_state(g.get_state()), b.set_state(g.get_state())
-    q = torch.empty(8192).exponential_(generator=a)
-    u = torch.empty(8192, dtype=torch.float64).uniform_(generator=b)
-    if not (torch.equal(q, _exact_noise(u)) and torch.equal(a.get_state(), b.get_state())):
-        return False
-    probs = torch.softmax(3 * torch.randn(64, 257, generator=g), dim=-1)
-    probs[::3, 1::2] = 0  # rows with zeros, as top-p leaves them
-    probs[5] = probs[5, 0]  # a row of equal ratios but for the noise
-    a.set_state(g.get_state()), b.set_state(g.get_state())
-    want = torch.multinomial(probs, 1, generator=a).squeeze(-1)
-    if not (torch.equal(_draw(probs, b), want) and torch.equal(a.get_state(), b.get_state())):
-        return False
-    rows = torch.arange(1, 64, 3)
-    a.set_state(g.get_state()), b.set_state(g.get_state())
-    want = torch.multinomial(probs, 1, generator=a).squeeze(-1)[rows]
-    return torch.equal(_draw(probs[rows], b, rows, 64), want) and torch.equal(a.get_state(), b.get_state())
 
 
 class Episode:
@@ -296,75 +186,6 @@ def run_episodes(episodes: list[Episode], renderer: ChatRenderer, params: Sampli
     return [e.traj for e in episodes]
 
 
-#: The fewest rows a decode step runs on when it leaves the rows that ended their turn out. Below about 16 rows
-#: the BLAS takes other kernels (MKL: a linear layer's rows then round differently than in a larger batch), so a
-#: smaller step would not give each row bit for bit the logits the whole batch gives it.
-MIN_STEP_ROWS = 16
-
-try:  # transformers >= 4.56 keeps a DynamicCache's tensors in per-layer objects
-    from transformers.cache_utils import DynamicLayer as _DynamicLayer
-except ImportError:  # older caches are used as the model returns them
-    _DynamicLayer = None
-
-
-class _RoomyLayer(_DynamicLayer or object):
-    """A ``DynamicLayer`` whose keys and values are views into zero-filled buffers with room to grow.
-
-    ``DynamicLayer`` appends with ``torch.cat``, copying the whole cache in every layer at every decode step; here
-    a step writes its column in place. The room stays zero until written, so columns added for some rows only
-    (:meth:`append_rows`) hold finite values where the other rows are masked: a masked column gets weight exactly
-    0, so what it holds never changes a result.
-    """
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
-        super().__init__()
-        self.is_initialized, self.device, self.dtype = True, keys.device, keys.dtype
-        self._hold(keys, values, room)
-
-    def _hold(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
-        B, H, n, D = keys.shape
-        self._k, self._v = keys.new_empty((B, H, n + room, D)), values.new_empty((B, H, n + room, D))
-        self._k[:, :, :n], self._v[:, :, :n] = keys, values
-        self._k[:, :, n:], self._v[:, :, n:] = 0, 0
-        self._view(n)
-
-    def _view(self, n: int) -> None:
-        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]  # (B, H, n, D)
-
-    def reserve(self, extra: int) -> None:
-        """Make room for ``extra`` more columns (one copy now instead of one per step), and some more: a
-        turn's feed then rarely copies the cache again."""
-        if self.keys.shape[-2] + extra > self._k.shape[-2]:
-            self._hold(self.keys, self.values, extra + 64)
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        n, s = self.keys.shape[-2], key_states.shape[-2]
-        self.reserve(s)
-        self._k[:, :, n:n + s], self._v[:, :, n:n + s] = key_states, value_states
-        self._view(n + s)
-        return self.keys, self.values
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._k, self._v = self._k[indices], self._v[indices]
-        self._view(self.keys.shape[-2])
-
-    def drop_leading(self, first: int) -> None:
-        n = self.keys.shape[-2]
-        self._k, self._v = self._k[:, :, first:], self._v[:, :, first:]
-        self._view(n - first)
-
-    def rows(self, rows: torch.Tensor, room: int) -> "_RoomyLayer":
-        """A copy of these rows, with room for ``room`` more columns."""
-        return _RoomyLayer(self.keys[rows], self.values[rows], room)
-
-    def append_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append ``keys``/``values`` (len(rows), H, k, D) as ``k`` new columns of ``rows``; the others get zeros."""
-        n, k = self.keys.shape[-2], keys.shape[-2]
-        self.reserve(k)
-        self._k[rows, :, n:n + k], self._v[rows, :, n:n + k] = keys, values
-        self._view(n + k)
-
-
 class _Chunk:
     """Up to ``batch_size`` episodes that share one KV cache for their whole lifetime.
 
@@ -387,12 +208,8 @@ class _Chunk:
         self.roomy = False
 
     def adopt(self, cache, room: int) -> None:
-        """Take the cache the first forward returned; make its layers roomy when they are plain DynamicLayers."""
-        layers = getattr(cache, "layers", None)
-        if _DynamicLayer is not None and layers and all(type(la) is _DynamicLayer for la in layers):
-            layers[:] = [_RoomyLayer(la.keys, la.values, room) for la in layers]
-            self.roomy = True
-        self.cache = cache
+        """Take the cache the first forward returned (with ``room`` spare columns if it can grow in place)."""
+        self.cache, self.roomy = cache, make_roomy(cache, room)
 
     def reserve(self, extra: int) -> None:
         if self.roomy:
@@ -430,22 +247,25 @@ class _Chunk:
     def split(self, rows: torch.Tensor, room: int) -> "_Chunk":
         """A chunk of copies of ``rows``' cache and mask, for decode steps the other rows sit out."""
         sub = _Chunk([self.eps[b] for b in rows.tolist()])
-        sub.cache = copy.copy(self.cache)
-        sub.cache.layers = [la.rows(rows, room) for la in self.cache.layers]
-        sub.attn, sub.roomy = self.attn[rows], True
+        sub.cache, sub.attn, sub.roomy = split_rows(self.cache, rows, room), self.attn[rows], True
         return sub
 
     def merge(self, sub: "_Chunk", rows: torch.Tensor) -> None:
-        """Append the columns ``sub`` (split from ``rows``) added to this cache, masked for the other rows."""
+        """Append the columns ``sub`` (split from ``rows``) added, masked for the other rows."""
         n = self.attn.shape[1]
-        k = sub.attn.shape[1] - n
-        if k == 0:
+        if sub.attn.shape[1] == n:
             return
-        for la, s in zip(self.cache.layers, sub.cache.layers):
-            la.append_rows(rows, s.keys[:, :, n:], s.values[:, :, n:])
-        new = self.attn.new_zeros((self.attn.shape[0], k))
+        rows = rows.to(self.attn.device)
+        merge_rows(self.cache, sub.cache, rows, n)
+        new = self.attn.new_zeros((self.attn.shape[0], sub.attn.shape[1] - n))
         new[rows] = sub.attn[:, n:]
         self.attn = torch.cat([self.attn, new], dim=1)
+
+
+#: The fewest rows a decode step runs on when it leaves out the rows that ended their turn. Below about 16 rows
+#: the BLAS takes other kernels (MKL: a linear layer's rows then round differently than in a larger batch), so a
+#: smaller step would not give each row bit for bit the logits the whole chunk gives it.
+MIN_STEP_ROWS = 16
 
 
 class TransformersEngine:
@@ -457,9 +277,9 @@ class TransformersEngine:
 
     Within a turn, once enough rows have written their end-of-turn token, the remaining decode steps run on the
     rows still sampling (at least ``MIN_STEP_ROWS``), on a copy of their cache rows that is merged back at the end
-    of the turn. Sampling still draws over the whole chunk (rows that sit out keep their last logits): the
-    random stream, and so every sampled token, is the same as if every row took every step.
-    ``split_steps=False`` keeps every row in every step.
+    of the turn, and only those rows are sampled; the generator still draws for the whole chunk, so the random
+    stream, and every sampled token and log-prob, is the one every row in every step would give
+    (``split_steps=False`` keeps every row in every step).
     """
 
     def __init__(self, model: torch.nn.Module, renderer: ChatRenderer, batch_size: int = 256,
@@ -468,7 +288,6 @@ class TransformersEngine:
         self.renderer = renderer
         self.batch_size = batch_size
         self.split_steps = split_steps
-        self.split_share = 0.5
         self.stats = EngineStats()
         # transformers >= 5.2x renamed the cache argument; take whichever this version's forward accepts
         params = inspect.signature(model.forward).parameters
@@ -540,13 +359,14 @@ class TransformersEngine:
         """The rows the next decode step runs on: all of the chunk (``sub`` None) or a split-off part of it.
 
         A step leaves rows out once at most half of those in the current step are needed: the rows still
-        sampling, and at least one that sits out, so the step's mask has a hole as the whole batch's would
+        sampling, and at least one that sits out, so the step's mask has a hole as the whole chunk's has
         (transformers drops an all-ones mask and takes another attention path), filled up to MIN_STEP_ROWS.
+        A narrower split merges the current one back first; the last one is merged at the end of the turn.
         """
         n_alive = int(alive.sum())
-        need = max(n_alive + 1, MIN_STEP_ROWS)
+        need = max(n_alive, MIN_STEP_ROWS)
         current = len(ch.eps) if sub is None else len(sub.eps)
-        if not (self.split_steps and ch.roomy and need <= self.split_share * current):
+        if not (self.split_steps and ch.roomy and 2 * need <= current):
             return sub, rows
         if sub is not None:
             ch.merge(sub, rows)
@@ -571,7 +391,7 @@ class TransformersEngine:
         toks, lps, live = [], [], []  # per decode step: (B,) tokens, log-probs, rows that sampled
         eot, pad = self.renderer.end_of_turn, self.renderer.pad
         sub, rows = None, None  # the split-off rows the decode steps run on, if any
-        logit_rows = None
+        logit_rows = None  # the rows ``logits`` holds (None: all)
         for k in range(params.max_tokens_per_turn):
             n_alive = int(alive.sum())
             if n_alive == 0:
@@ -579,8 +399,7 @@ class TransformersEngine:
             if budget[0] < n_alive:
                 cut = alive.clone()
                 break
-            # only the rows still in their turn are sampled; the generator draws for the whole chunk
-            at = alive.nonzero()[:, 0]
+            at = alive.nonzero()[:, 0]  # only these rows are sampled; the generator draws for all B
             if logit_rows is None:
                 x = logits if n_alive == B else logits[at.to(logits.device)]
             else:
@@ -603,7 +422,8 @@ class TransformersEngine:
                 logits = self._forward(ch, step_in.to(device), step_attn.to(device), pos.to(device))
             else:
                 logits = self._forward(sub, step_in[rows].to(device), step_attn[rows].to(device), pos[rows].to(device))
-            logit_rows = rows  # the rows ``logits`` holds (None: all)
+            logit_rows = rows
+            self.stats.decode_rows += B if rows is None else len(rows)
         if sub is not None:
             ch.merge(sub, rows)
         ch.fed = fed.tolist()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from policy.engine import RolloutRequest, SamplingParams, TransformersEngine, sample_tokens
+from policy import kvcache, sampling
+from policy.engine import RolloutRequest, SamplingParams, TransformersEngine, _Chunk, sample_tokens
+from policy.sampling import draw_tokens
 from policy.model import build_tiny_model, load_policy, save_policy
 from policy.records import Guidance, Origin
 from policy.tokenizer import ChatRenderer, build_word_tokenizer, split_inserted
@@ -93,6 +96,31 @@ def test_sampling_top_p_and_greedy():
     assert set(tok.tolist()) == {0}
     tok, _ = sample_tokens(logits, 1.0, 1.0, g)
     assert set(tok.tolist()) == {0, 1} or len(set(tok.tolist())) > 1
+
+
+def test_draw_tokens_is_torch_multinomial(monkeypatch):
+    """The CPU sampler draws torch.multinomial's tokens and leaves the generator where torch.multinomial does, for
+    all of a batch's rows or some of them, also where close calls are decided on the exact noise; bad
+    probabilities fail as they do in torch."""
+    g = torch.Generator().manual_seed(0)
+    for near in (sampling._NEAR, 0.9):  # 0.9: nearly every row is a close call
+        monkeypatch.setattr(sampling, "_NEAR", near)
+        for trial in range(16):
+            probs = torch.softmax(torch.randn(24, 300, generator=g) * (trial % 4), dim=-1)
+            if trial % 3 == 0:
+                probs[:, 50:] = 0  # as top-p leaves a row
+            a, b = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+            want = torch.multinomial(probs, 1, generator=a)[:, 0]
+            if trial % 2:
+                rows = torch.arange(trial % 5, 24, 3)
+                assert torch.equal(draw_tokens(probs[rows], b, rows, 24), want[rows])
+            else:
+                assert torch.equal(draw_tokens(probs, b), want)
+            assert torch.equal(a.get_state(), b.get_state())
+    assert sampling._fast_draw  # this torch draws the way draw_tokens reproduces
+    for bad in ([[0.5, float("nan")]], [[0.0, 0.0]], [[-0.1, 1.0]]):
+        with pytest.raises(RuntimeError):
+            draw_tokens(torch.tensor(bad), torch.Generator())
 
 
 def _requests(n, **kw):
@@ -206,3 +234,69 @@ def test_engine_cache_across_turns_matches_a_full_forward_pass(tok, model):
         trajs = TransformersEngine(model, r, batch_size=batch_size).generate(reqs, params, seed=11)
         assert len({t.n_turns for t in trajs}) >= 4  # episodes ended at different turns: rows were dropped
         assert all(_recomputed_logprobs_match(model, t) for t in trajs)
+
+
+def test_engine_split_steps_change_no_trajectory(tok, model, monkeypatch):
+    """Decode steps that leave out the rows which ended their turn (their cache rows split off and merged back),
+    the cache that grows in place and the CPU sampler are optimisations only: every trajectory, token for token
+    and log-prob for log-prob, is the one the plain path gives (every row in every step of a DynamicCache,
+    torch.multinomial drawing), with temperature, greedy, a token budget, chunks and guidance."""
+    hot = copy.deepcopy(model)
+    with torch.no_grad():  # turns end at different steps, most of them early, so steps do get split
+        hot.model.embed_tokens.weight[tok.eos_token_id] *= 40
+    r = ChatRenderer(tok)
+    (src,) = TransformersEngine(model, r).generate(_requests(1, guidance=Guidance(inject="lookup(e1, mother)")),
+                                                   SamplingParams(1.0, max_tokens_per_turn=4, max_turns=4), seed=0)
+
+    def requests():
+        out = [RolloutRequest(task=_Task(), env=EndsAfter(2 + i % 3), system="lookup ( e1 , mother )", group=i)
+               for i in range(44)]
+        out += [RolloutRequest(task=_Task(), env=ToyTools(), system="lookup ( e1 , mother )", prefix=src,
+                               prefix_turns=1, guidance=Guidance(hint="hint : the boss")),
+                RolloutRequest(task=_Task(), env=ToyTools(), system="lookup ( e1 , mother )",
+                               guidance=Guidance(plan="hint : lookup ( e1 , mother )")),
+                RolloutRequest(task=_Task(), env=EndsAfter(3), system="lookup ( e1 , mother )",
+                               guidance=Guidance(inject="lookup(e1, mother)"))]
+        return out
+
+    for params, budget, batch_size in [(SamplingParams(1.0, max_tokens_per_turn=8, max_turns=4), None, 47),
+                                       (SamplingParams(0.7, max_tokens_per_turn=8, max_turns=4), 400, 36),
+                                       (SamplingParams(0.0, max_tokens_per_turn=8, max_turns=4), None, 47)]:
+        with monkeypatch.context() as m:
+            m.setattr(sampling, "_fast_draw", False)
+            m.setattr(kvcache, "DynamicLayer", None)  # the model's own DynamicCache, which cannot be split
+            plain = TransformersEngine(hot, r, batch_size=batch_size)
+            want = plain.generate(requests(), params, seed=5, max_new_tokens=budget)
+        eng = TransformersEngine(hot, r, batch_size=batch_size)
+        got = eng.generate(requests(), params, seed=5, max_new_tokens=budget)
+        if params.temperature > 0:  # (greedy, this model never ends a turn early)
+            assert eng.stats.decode_rows < plain.stats.decode_rows  # some steps did leave rows out
+        for a, b in zip(want, got, strict=True):
+            assert (a.ids, a.logprobs, a.origin, a.turn, a.turn_texts, a.truncated, a.done, a.n_generated) == \
+                   (b.ids, b.logprobs, b.origin, b.turn, b.turn_texts, b.truncated, b.done, b.n_generated)
+
+
+def test_split_step_logits_are_the_whole_chunks(tok, model):
+    """A decode step on rows split off a chunk gives each row bit for bit the logits the whole chunk's step gives
+    it, also when none of the rows still sampling has a masked column: transformers would then drop the mask and
+    take another attention path, so a split keeps a row that sits the step out."""
+    eng = TransformersEngine(model, ChatRenderer(tok))
+    g = torch.Generator().manual_seed(0)
+    B, S = 40, 12
+    ids = torch.randint(4, len(tok), (B, S), generator=g)
+    attn = torch.ones(B, S, dtype=torch.long)
+    attn[20:, :3] = 0  # rows 20.. are left-padded; rows 0..19 have no masked column
+    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    alive = torch.zeros(B, dtype=torch.bool)
+    alive[:17] = True  # 17 rows still sample, all without a hole
+    step_in, step_pos = torch.randint(4, len(tok), (B, 1), generator=g), pos[:, -1:] + 1
+    with torch.no_grad():
+        whole = _Chunk([None] * B)
+        eng._forward(whole, ids, attn, pos, room=4)
+        part = _Chunk([None] * B)
+        eng._forward(part, ids, attn, pos, room=4)
+        sub, rows = eng._step_rows(part, None, None, alive, room=4)
+        assert sub is not None and 17 < len(rows) < B
+        want = eng._forward(whole, step_in, alive.long()[:, None], step_pos)[:17]
+        got = eng._forward(sub, step_in[rows], alive.long()[rows, None], step_pos[rows])[:17]
+    assert torch.equal(got, want)
