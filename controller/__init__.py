@@ -1,15 +1,26 @@
 """The learned intervention controller: a torch-free contextual-bandit library (see docs/controller.md).
 
-    from controller import LearnedController, Settings, Group, Action
-    ctl = LearnedController(Settings(), seed=0, trace_dir="runs/x/traces")
-    decisions = ctl.decide([Group("g0", {"level": "3", "successes": 0}, [Action("hint", {"how": "hint"}, 4)],
-                                  heuristic="hint")], budget=16)
-    ctl.feedback(decisions[0].id, reward=0.5)
+A trainer speaks to it through one :class:`Session` per run (``controller.session``): scored groups with their
+legal, priced options in; choices (group, option, propensity, event id) out; the chosen interventions' rollouts
+in; the reward, learning, traces, shadow-to-live and state handled inside::
 
-The reward is ``controller.reward``; traces are ``controller.traces``. It imports nothing from ``rail`` or
+    from controller import Option, Rollout, ScoredGroup, Session, SessionSettings
+    s = Session(SessionSettings(), seed=0, trace_dir="runs/x/traces")
+    s.begin_step(step=0, total_steps=100, step_budget=64)
+    s.add([ScoredGroup("p0", "calc", 3, [Rollout(0.0, False), Rollout(0.0, False)],
+                       [Option("hint x2", "rubric_hint@violation", 2, cost=2)])])
+    for c in s.decide(budget=16):
+        if c.intervenes:
+            s.ran(c.id, [Rollout(1.0, True), Rollout(0.0, False)], cost=2)
+    s.end_step()
+
+Underneath, :class:`LearnedController` is the bandit with its gate (decide for requests, feedback a reward);
+the reward is ``controller.reward``, traces ``controller.traces``. It imports nothing from ``rail`` or
 ``policy`` and no torch.
 """
 
 from controller.core import NONE, Action, Decision, Group, LearnedController, Settings
+from controller.session import Choice, Option, Rollout, ScoredGroup, Session, SessionSettings, branch_source
 
-__all__ = ["NONE", "Action", "Decision", "Group", "LearnedController", "Settings"]
+__all__ = ["NONE", "Action", "Choice", "Decision", "Group", "LearnedController", "Option", "Rollout", "ScoredGroup",
+           "Session", "SessionSettings", "Settings", "branch_source"]

@@ -9,6 +9,7 @@ the "no intervention" action itself (index 0, cost 0). See ``docs/controller.md`
 
 from __future__ import annotations
 
+import _random
 import hashlib
 import json
 import math
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from controller import estimators
-from controller.vw import Bandit, dsjson_line
+from controller.vw import Bandit, compact, dsjson_text
 
 NONE = "none"
 MODES = ("shadow", "live")
@@ -89,9 +90,14 @@ class Settings:
             raise ValueError("window >= 2, check_every >= 1 and consecutive >= 1 are required")
 
 
-def _uniform01(seed: int, event_id: str) -> float:
-    h = hashlib.blake2b(f"{seed}:{event_id}".encode(), digest_size=8).digest()
-    return random.Random(int.from_bytes(h, "little")).random()
+def _uniform01(seed: int, event_id: str, mt: Any = None) -> float:
+    """A decision's uniform draw: ``random.Random(h).random()`` for ``h`` a hash of (seed, event id). ``mt``, a
+    generator to reseed for it (the same draw, without building a ``random.Random`` per decision)."""
+    h = int.from_bytes(hashlib.blake2b(f"{seed}:{event_id}".encode(), digest_size=8).digest(), "little")
+    if mt is None:
+        return random.Random(h).random()
+    mt.seed(h)
+    return mt.random()
 
 
 def _sample(pmf: Sequence[float], u: float) -> int:
@@ -107,13 +113,26 @@ def _features(d: dict) -> dict:
     """Features as DSJson wants them: strings are categorical, numbers numeric, booleans 0/1; NaN -> 0."""
     out = {}
     for k, v in d.items():
-        if isinstance(v, bool):
+        t = type(v)
+        if t is float:  # the common cases first, by exact type
+            out[k] = v if v - v == 0.0 else 0.0  # finite (inf - inf and NaN - NaN are NaN)
+        elif t is str:
+            out[k] = v
+        elif isinstance(v, bool):
             out[k] = 1.0 if v else 0.0
         elif isinstance(v, (int, float)):
             out[k] = float(v) if math.isfinite(v) else 0.0
         else:
             out[k] = str(v)
     return out
+
+
+_NONE_TEXT = '{"a":' + compact({"none": 1.0, "cost": 0.0}) + "}"  # the "no intervention" action, rendered
+
+
+def _context_text(shared: str, actions: Sequence[str]) -> str:
+    """The DSJson ``c`` object (``Bandit.context_json``) as compact JSON, from its rendered parts."""
+    return '{"s":' + shared + ',"_multi":[' + ",".join(actions) + "]}"
 
 
 class LearnedController:
@@ -128,8 +147,13 @@ class LearnedController:
         self.passes = 0
         self.transitions: list[dict] = []
         self.last_gate: dict = {}
-        self._pending: dict[str, dict] = {}
+        self._pending: dict[str, tuple] = {}  # event id -> what feedback needs of its decision
+        self._terms: deque = deque(maxlen=self.s.window)  # per window event: DR terms, SNIPS weights
+        self._rendered: dict = {}  # action names -> (their costs, features, features' order, rendered namespaces)
+        self._trace = None  # the trace file, opened for appending on the first line
+        self._mt = _random.Random()  # random.Random's C generator, reseeded for every decision's draw
         self.trace_dir = Path(trace_dir) if trace_dir is not None else None
+        self._trace_path = None if self.trace_dir is None else self.trace_dir / "decisions.dsjson"
         if self.trace_dir is not None:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             meta = self.trace_dir / "controller.json"
@@ -141,7 +165,7 @@ class LearnedController:
 
     @property
     def trace_path(self) -> Path | None:
-        return None if self.trace_dir is None else self.trace_dir / "decisions.dsjson"
+        return self._trace_path
 
     # ------------------------------------------------------------------ decide
     def decide(self, groups: Sequence[Group], budget: float, tag: str = "") -> list[Decision]:
@@ -159,32 +183,56 @@ class LearnedController:
                 raise ValueError(f"group {g.id}: action names must be unique, got {names}")
             if g.heuristic is not None and g.heuristic not in names:
                 raise ValueError(f"group {g.id}: heuristic action {g.heuristic!r} is not among its actions")
-            ctx = Bandit.context_json(_features(g.context), [_features({**a.features, "cost": a.cost}) for a in acts])
-            q = self.bandit.scores(ctx)
-            prepared.append((g, acts, ctx, q, pos))
-        prepared.sort(key=lambda x: (-max(x[3]), x[0].id))
+            # the event's context is rendered once, as the trace will hold it, and parsed once for both workspaces
+            shared = compact(_features(g.context))
+            costs = [a.cost for a in acts]
+            texts = self._action_texts(names, costs, acts)
+            ctx = _context_text(shared, texts)
+            ex = self.bandit.parse(ctx)
+            q = self.bandit.score_examples(ex)
+            prepared.append((g, acts, names, costs, shared, texts, ctx, ex, q, pos))
+        if len(prepared) > 1:
+            prepared.sort(key=lambda x: (-max(x[8]), x[0].id))
         left = float(budget)
         out: list = [None] * len(prepared)
-        for g, acts, ctx, q, pos in prepared:
-            fit = [a for a in acts if a.cost <= left + 1e-9]
-            if len(fit) < len(acts):  # some actions no longer fit: the context and scores are of those that do
-                ctx = {"s": ctx["s"], "_multi": [m for a, m in zip(acts, ctx["_multi"]) if a.cost <= left + 1e-9]}
-                q = self.bandit.scores(ctx)
-            pi = self.bandit.predict(ctx)
-            k = len(fit)
-            h_name = g.heuristic if g.heuristic in [a.name for a in fit] else NONE
-            h = [1.0 if a.name == h_name else 0.0 for a in fit]
-            he = self.s.heuristic_epsilon
-            h_mix = [(1 - he) * x + he / k for x in h]
+        for g, fit, names, costs, shared, texts, ctx, ex, q, pos in prepared:
+            if max(costs) > left + 1e-9:  # some actions no longer fit: the context and scores are of those that do
+                keep = [i for i, c in enumerate(costs) if c <= left + 1e-9]
+                fit, names = [fit[i] for i in keep], [names[i] for i in keep]
+                ctx = _context_text(shared, [texts[i] for i in keep])
+                ex = self.bandit.parse(ctx)
+                q = self.bandit.score_examples(ex)
+            pi = self.bandit.predict_examples(ex)
+            # the heuristic's deterministic choice, and mixed with uniform exploration ((1 - he) * h + he / k)
+            k, he = len(fit), self.s.heuristic_epsilon
+            j = names.index(g.heuristic) if g.heuristic in names else 0  # 0: none
+            h, h_mix = [0.0] * k, [he / k] * k
+            h[j], h_mix[j] = 1.0, (1 - he) + he / k
             logging = h_mix if self.mode == "shadow" else pi
             eid = f"{tag}{g.id}#{self.decided}"
-            i = _sample(logging, _uniform01(self.seed, eid))
+            i = _sample(logging, _uniform01(self.seed, eid, self._mt))
             self.decided += 1
             left -= fit[i].cost
-            self._pending[eid] = {"context": ctx, "names": [a.name for a in fit], "costs": [a.cost for a in fit],
-                                  "chosen": i, "logging": logging, "pi": pi, "h": h, "q": q, "mode": self.mode}
+            self._pending[eid] = (ctx, ex, names, fit, i, logging, pi, h, q, self.mode)
             out[pos] = Decision(eid, g.id, fit[i], i, logging[i], self.mode)
         return out
+
+    def _action_texts(self, names: list[str], costs: list[float], acts: list[Action]) -> list[str]:
+        """Each action's ``a`` namespace as compact JSON (``none`` first). Menus repeat across groups and steps,
+        so the texts of a menu (its action names) are kept and reused while every cost and feature is the same,
+        in the same order (``-0.0`` matches ``0.0`` there: VW reads the same feature from either text, and the
+        trace holds the text it parsed)."""
+        feats = [a.features for a in acts]
+        key = tuple(names)
+        hit = self._rendered.get(key)
+        if hit is not None and hit[0] == costs and hit[1] == feats and hit[2] == [tuple(f) for f in feats]:
+            return hit[3]
+        texts = [_NONE_TEXT, *('{"a":' + compact(_features({**f, "cost": c})) + "}"
+                               for f, c in zip(feats[1:], costs[1:]))]
+        if len(self._rendered) >= 1024:
+            self._rendered.clear()
+        self._rendered[key] = (costs, [dict(f) for f in feats], [tuple(f) for f in feats], texts)
+        return texts
 
     # ------------------------------------------------------------------ learn
     def feedback(self, decision_id: str, reward: float, outcome: dict | None = None) -> None:
@@ -195,20 +243,32 @@ class LearnedController:
         if not (isinstance(reward, (int, float)) and math.isfinite(reward)):
             raise ValueError(f"decision {decision_id}: reward {reward!r} is not a finite number")
         r = min(1.0, max(0.0, float(reward)))
-        i = ev["chosen"]
-        extra = {"_mode": ev["mode"], "_actions": ev["names"], "_costs": ev["costs"], "_pi": ev["pi"],
-                 "_h": ev["h"], "_q": ev["q"], "_learn_seq": self.learned}
-        if outcome:
-            extra["_outcome"] = outcome
-        line = dsjson_line(decision_id, ev["context"], i, ev["logging"], -r, extra)
-        self.bandit.learn(line)
+        ctx, ex, names, fit, i, logging, pi, h, q, mode = ev
+        self.bandit.learn_examples(ex, i, -r, max(logging[i], 1e-12))
+        if self._trace_path is not None:
+            extra = {"_mode": mode, "_actions": names, "_costs": [a.cost for a in fit], "_pi": pi, "_h": h, "_q": q,
+                     "_learn_seq": self.learned}
+            if outcome:
+                extra["_outcome"] = outcome
+            self._append(dsjson_text(decision_id, ctx, i, logging, -r, extra))
         self.learned += 1
-        if self.trace_path is not None:
-            with open(self.trace_path, "a") as f:
-                f.write(line + "\n")
-        self.window.append((r, ev["logging"][i], i, ev["pi"], ev["h"], ev["q"]))
+        self._remember(r, logging[i], i, pi, h, q)
         if self.learned >= self.s.min_events and self.learned % self.s.check_every == 0:
             self._gate()
+
+    def _append(self, line: str) -> None:
+        """One trace line, flushed (a checkpoint taken after it counts it as written)."""
+        if self._trace is None:
+            self._trace = open(self.trace_path, "a")
+        self._trace.write(line + "\n")
+        self._trace.flush()
+
+    def _remember(self, r: float, p: float, chosen: int, pi: list, h: list, q: list) -> None:
+        """An event joins the gate's window, with its DR terms under the bandit's and the heuristic's PMF (they
+        never change, so each is computed once)."""
+        self.window.append((r, p, chosen, pi, h, q))
+        self._terms.append((estimators.dr_term(r, p, chosen, pi, q), estimators.dr_term(r, p, chosen, h, q),
+                            pi[chosen] / p, h[chosen] / p))  # ... and its SNIPS weights
 
     def abandon(self, decision_id: str) -> None:
         """Forget a decision that was never carried out (nothing is learned from it)."""
@@ -219,15 +279,17 @@ class LearnedController:
         """Off-policy estimates over the recent window: V(bandit), V(heuristic) and their DR difference."""
         if not self.window:
             return {}
-        r, p, a, pi, h, q = map(list, zip(*self.window))
-        diff = estimators.difference(r, p, a, pi, h, q, self.s.alpha)
+        r = [w[0] for w in self.window]
+        t, b, w_bandit, w_heuristic = map(list, zip(*self._terms))
+        n = len(r)
+        diff = estimators.mean_ci([x - y for x, y in zip(t, b)], self.s.alpha, two_sided=False)
         return {
-            "n": len(r),
-            "logged": sum(r) / len(r),
-            "bandit_dr": estimators.dr(r, p, a, pi, q, self.s.alpha).value,
-            "heuristic_dr": estimators.dr(r, p, a, h, q, self.s.alpha).value,
-            "bandit_snips": estimators.snips(r, p, [x[k] for x, k in zip(pi, a)], self.s.alpha).value,
-            "heuristic_snips": estimators.snips(r, p, [x[k] for x, k in zip(h, a)], self.s.alpha).value,
+            "n": n,
+            "logged": sum(r) / n,
+            "bandit_dr": sum(t) / n,  # the DR values (estimators.dr(...).value: the terms' mean)
+            "heuristic_dr": sum(b) / n,
+            "bandit_snips": estimators.snips_value(w_bandit, r),
+            "heuristic_snips": estimators.snips_value(w_heuristic, r),
             "diff": diff.value, "diff_lower": diff.lower, "diff_upper": diff.upper,
         }
 
@@ -255,23 +317,54 @@ class LearnedController:
                 "settings": asdict(self.s)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a checkpointed state; the trace is cut back to the events it learned first (a
+        :class:`~controller.traces.TraceError`, with nothing changed, when it no longer holds them all)."""
+        if self.trace_path is not None and self.trace_path.exists():
+            self._truncate_trace(int(state["learned"]))
         self.bandit = Bandit(self.s.epsilon, self.s.lr, self.s.clip_p, self.s.bits, state=state["bandit"])
         self.mode, self.learned, self.decided = state["mode"], int(state["learned"]), int(state["decided"])
         self.passes, self.transitions = int(state["passes"]), list(state["transitions"])
-        self.window = deque((tuple(w) for w in state["window"]), maxlen=self.s.window)
+        self.window = deque(maxlen=self.s.window)
+        self._terms = deque(maxlen=self.s.window)
+        for w in state["window"]:
+            self._remember(*w)
         self.last_gate = state.get("last_gate", {})
         self._pending = {}
-        if self.trace_path is not None and self.trace_path.exists():
-            self._truncate_trace(self.learned)
 
     def _truncate_trace(self, n: int) -> None:
-        """Keep the first ``n`` complete lines: a run killed after its last checkpoint re-decides those steps."""
-        lines = self.trace_path.read_text().splitlines(keepends=True)
-        keep = [ln for ln in lines[:n] if ln.endswith("\n")]
-        if len(keep) == len(lines):
+        """Keep the events ``_learn_seq`` 0..n-1 in order: a run killed after its last checkpoint re-decides the
+        later ones. A torn, junk or out-of-order line is dropped (with a warning); an event among the first
+        ``n`` that is missing or damaged cannot be rebuilt, so that is a TraceError naming the file."""
+        import warnings
+
+        from controller.traces import TraceError, parse_event
+
+        if self._trace is not None:  # the open append handle would write past the rewritten file
+            self._trace.close()
+            self._trace = None
+        raw = self.trace_path.read_bytes()
+        lines = raw.split(b"\n")[:-1]  # complete lines only: what follows the last newline is a torn write
+        keep, dropped = [], []
+        for k, line in enumerate(lines, 1):
+            if len(keep) == n:
+                break
+            try:
+                ok = parse_event(line, f"{self.trace_path}:{k}").get("_learn_seq") == len(keep)
+            except TraceError:
+                ok = False
+            (keep if ok else dropped).append(line if ok else k)
+        if len(keep) < n:
+            raise TraceError(f"{self.trace_path}: holds {len(keep)} intact events of the {n} the checkpoint "
+                             f"learned (event {len(keep)} is missing or damaged)")
+        if dropped:
+            warnings.warn(f"{self.trace_path}: dropped {len(dropped)} damaged line(s) among the checkpointed "
+                          f"events (line {', '.join(map(str, dropped[:5]))}{', ...' if len(dropped) > 5 else ''})",
+                          stacklevel=2)
+        text = b"".join(ln + b"\n" for ln in keep)
+        if text == raw:
             return
         tmp = self.trace_path.with_suffix(".tmp")
-        tmp.write_text("".join(keep))
+        tmp.write_bytes(text)
         os.replace(tmp, self.trace_path)
 
     def save(self, path: str | os.PathLike) -> None:

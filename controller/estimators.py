@@ -16,6 +16,7 @@ method); one-sided bounds use ``z`` for the given ``alpha``.
 from __future__ import annotations
 
 import math
+from operator import mul
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Sequence
@@ -36,7 +37,8 @@ def _z(alpha: float, two_sided: bool = True) -> float:
     return NormalDist().inv_cdf(1 - alpha / 2 if two_sided else 1 - alpha)
 
 
-def _mean_ci(terms: Sequence[float], alpha: float, two_sided: bool = True) -> Estimate:
+def mean_ci(terms: Sequence[float], alpha: float, two_sided: bool = True) -> Estimate:
+    """The mean of per-event terms with a normal-approximation interval (one-sided bounds: ``two_sided=False``)."""
     n = len(terms)
     if n == 0:
         return Estimate(float("nan"), float("nan"), float("nan"), 0)
@@ -56,7 +58,15 @@ def _check(p: Sequence[float]) -> None:
 
 def ips(r: Sequence[float], p: Sequence[float], pi: Sequence[float], alpha: float = 0.05) -> Estimate:
     _check(p)
-    return _mean_ci([ri * qi / pi_ for ri, pi_, qi in zip(r, p, pi)], alpha)
+    return mean_ci([ri * qi / pi_ for ri, pi_, qi in zip(r, p, pi)], alpha)
+
+
+def snips_value(w: Sequence[float], r: Sequence[float]) -> float:
+    """The SNIPS value from the importance weights ``w_i = pi_i / p_i``: sum(w_i r_i) / sum(w_i)."""
+    sw = sum(w)
+    if not w or sw <= 0:
+        return float("nan")
+    return sum(map(mul, w, r)) / sw
 
 
 def snips(r: Sequence[float], p: Sequence[float], pi: Sequence[float], alpha: float = 0.05) -> Estimate:
@@ -65,7 +75,7 @@ def snips(r: Sequence[float], p: Sequence[float], pi: Sequence[float], alpha: fl
     n, sw = len(w), sum(w)
     if n == 0 or sw <= 0:
         return Estimate(float("nan"), float("nan"), float("nan"), n)
-    v = sum(wi * ri for wi, ri in zip(w, r)) / sw
+    v = snips_value(w, r)
     if n < 2:
         return Estimate(v, float("-inf"), float("inf"), n)
     mw = sw / n
@@ -74,22 +84,26 @@ def snips(r: Sequence[float], p: Sequence[float], pi: Sequence[float], alpha: fl
     return Estimate(v, v - h, v + h, n)
 
 
+def dr_term(r: float, p: float, chosen: int, pi_full: Sequence[float], q: Sequence[float]) -> float:
+    """One event's doubly-robust term for a target PMF ``pi_full``: the reward model's expected value under the
+    target plus the importance-weighted residual of the logged action."""
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"logged propensity {p!r} outside (0, 1]: an event with p = 0 cannot be evaluated")
+    dm = sum(map(mul, pi_full, q))  # the same products, summed in the same order, as a generator would
+    return dm + pi_full[chosen] / p * (r - q[chosen])
+
+
 def dr_terms(r, p, chosen, pi_full, q) -> list[float]:
     """Per-event doubly-robust terms for a target PMF ``pi_full`` (rows of per-action probabilities)."""
-    _check(p)
-    out = []
-    for ri, pi_, a, pf, qi in zip(r, p, chosen, pi_full, q):
-        dm = sum(x * y for x, y in zip(pf, qi))
-        out.append(dm + pf[a] / pi_ * (ri - qi[a]))
-    return out
+    return [dr_term(*ev) for ev in zip(r, p, chosen, pi_full, q)]
 
 
 def dr(r, p, chosen, pi_full, q, alpha: float = 0.05) -> Estimate:
-    return _mean_ci(dr_terms(r, p, chosen, pi_full, q), alpha)
+    return mean_ci(dr_terms(r, p, chosen, pi_full, q), alpha)
 
 
 def difference(r, p, chosen, target, baseline, q, alpha: float = 0.05) -> Estimate:
     """DR estimate of V(target) - V(baseline), with a one-sided (1 - alpha) lower and upper bound."""
     t = dr_terms(r, p, chosen, target, q)
     b = dr_terms(r, p, chosen, baseline, q)
-    return _mean_ci([x - y for x, y in zip(t, b)], alpha, two_sided=False)
+    return mean_ci([x - y for x, y in zip(t, b)], alpha, two_sided=False)

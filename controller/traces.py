@@ -19,34 +19,76 @@ class TraceError(ValueError):
     pass
 
 
+def parse_event(line: str | bytes, where: str) -> dict:
+    """One event from one trace line, checked: a JSON object, label keys before ``c``, a numeric propensity in
+    (0, 1], an integer ``_learn_seq`` when present. ``where`` (``file:line``) starts every error."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TraceError(f"{where}: not UTF-8 text ({e.reason}); the trace is damaged from this line on") from None
+    try:
+        ev = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{where}: not JSON ({e}); the trace is corrupt from this line on") from None
+    if not isinstance(ev, dict):
+        raise TraceError(f"{where}: not an event (a JSON object), got {type(ev).__name__}")
+    keys = list(ev)
+    if "c" not in ev or any(k not in ev or keys.index(k) > keys.index("c") for k in LABEL_KEYS):
+        raise TraceError(f"{where}: label keys must all come before \"c\" (VW's DSJson parser drops them otherwise)")
+    p = ev["_label_probability"]
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+        raise TraceError(f"{where}: propensity {p!r} is not a number in (0, 1]")
+    seq = ev.get("_learn_seq", 0)
+    if isinstance(seq, bool) or not isinstance(seq, int):
+        raise TraceError(f"{where}: _learn_seq {seq!r} is not an integer")
+    ev["_line"], ev["_where"] = line, where
+    return ev
+
+
+def _check_logged(ev: dict) -> None:
+    """What :func:`evaluate` reads of an event beyond VW's keys: the action names, the chosen index, the
+    heuristic's and the reward model's vectors (one entry per action), the cost and the mode."""
+    acts = ev.get("_actions")
+    ok = (isinstance(acts, list) and acts and all(isinstance(a, str) for a in acts)
+          and isinstance(ev.get("_labelIndex"), int) and 0 <= ev["_labelIndex"] < len(acts)
+          and all(isinstance(ev.get(k), list) and len(ev[k]) == len(acts)
+                  and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in ev[k]) for k in ("_h", "_q"))
+          and isinstance(ev.get("_label_cost"), (int, float)) and not isinstance(ev["_label_cost"], bool)
+          and ev.get("_mode") in ("shadow", "live"))
+    if not ok:
+        raise TraceError(f"{ev['_where']}: not a rail decision event (_actions, _labelIndex, _h, _q, _label_cost "
+                         "and _mode are required, one _h and _q entry per action)")
+
+
 def read(path: str | Path) -> list[dict]:
-    """Every event of a trace, checked: label keys before ``c``, propensities in (0, 1], learn order."""
+    """Every event of a trace, checked (:func:`parse_event`) and in learn order."""
     p = Path(path)
     if not p.is_file():
         raise TraceError(f"{p}: no such trace file")
     out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    for n, line in enumerate(p.read_bytes().splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            ev = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TraceError(f"{p}:{n}: not JSON ({e}); the trace is corrupt from this line on") from None
-        keys = list(ev)
-        if "c" not in ev or any(k not in ev or keys.index(k) > keys.index("c") for k in LABEL_KEYS):
-            raise TraceError(f"{p}:{n}: label keys must all come before \"c\" (VW's DSJson parser drops them otherwise)")
-        if not 0.0 < ev["_label_probability"] <= 1.0:
-            raise TraceError(f"{p}:{n}: propensity {ev['_label_probability']} outside (0, 1]")
+        ev = parse_event(line, f"{p}:{n}")
         if ev.get("_learn_seq", len(out)) != len(out):
             raise TraceError(f"{p}:{n}: learn order broken (expected {len(out)}, got {ev.get('_learn_seq')})")
-        ev["_line"] = line
         out.append(ev)
     return out
 
 
 def _meta(path: Path) -> dict:
     meta = path.parent / "controller.json"
-    return json.loads(meta.read_text()) if meta.exists() else {}
+    if not meta.exists():
+        return {}
+    try:
+        d = json.loads(meta.read_bytes().decode("utf-8"))
+        if not isinstance(d, dict) or not isinstance(d.get("settings", {}), dict):
+            raise ValueError("not a JSON object with a settings table")
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise TraceError(f"{meta}: unreadable ({e}); restore it: it holds the settings the trace is replayed with "
+                         "(traces/controller.json of the run)") from None
+    return d
 
 
 def replay(path: str | Path, settings: dict | None = None) -> Bandit:
@@ -59,6 +101,11 @@ def replay(path: str | Path, settings: dict | None = None) -> Bandit:
     return b
 
 
+def _is(action: str, name: str) -> bool:
+    """Whether logged action ``action`` (``how@where`` or ``how@wherexK``, K rollouts) is intervention ``name``."""
+    return action == name or action.split("x")[0] == name or action.startswith(name + "x")
+
+
 def _fixed(name: str, actions: list[str]) -> list[float]:
     """A fixed controller's PMF over one event's actions."""
     k = len(actions)
@@ -67,7 +114,7 @@ def _fixed(name: str, actions: list[str]) -> list[float]:
     if name == "none":
         pick = 0
     else:  # "how@where": the first such intervention when legal, else none
-        pick = next((i for i, a in enumerate(actions) if a.split("x")[0] == name or a.startswith(name + "x")), 0)
+        pick = next((i for i, a in enumerate(actions) if _is(a, name)), 0)
     return [1.0 if i == pick else 0.0 for i in range(k)]
 
 
@@ -76,9 +123,19 @@ def evaluate(path: str | Path, policies: list[str] | None = None, alpha: float =
     (on-policy mean), the learned bandit (replayed from scratch, predicting before it learns each event), the
     shadowed heuristic, doing nothing, uniform, and any ``how@where`` fixed rule in ``policies``."""
     p = Path(path)
+    if not 0.0 < alpha < 1.0:
+        raise TraceError(f"--alpha {alpha}: must be in (0, 1) (0.05: 95 % intervals)")
     events = read(p)
     if not events:
         raise TraceError(f"{p}: the trace holds no events")
+    for e in events:
+        _check_logged(e)
+    offered = {a for e in events for a in e["_actions"]}
+    for name in policies or []:
+        if not any(_is(a, name) for a in offered):  # never legal: 'none' under another name, say so instead
+            shown = sorted({a.split("x")[0] if "@" in a else a for a in offered} - {"none"})
+            raise TraceError(f"--policy {name}: no event of {p} offers it; its interventions: "
+                             f"{', '.join(shown) or 'none'}")
     r = [-float(e["_label_cost"]) for e in events]
     prop = [float(e["_label_probability"]) for e in events]
     chosen = [int(e["_labelIndex"]) for e in events]
@@ -93,7 +150,7 @@ def evaluate(path: str | Path, policies: list[str] | None = None, alpha: float =
     for name in ["none", "uniform", *(policies or [])]:
         pmfs[name] = [_fixed(name, e["_actions"]) for e in events]
     out = {"events": len(events), "modes": {m: sum(e["_mode"] == m for e in events) for m in ("shadow", "live")},
-           "logged": estimators._mean_ci(r, alpha).to_dict(), "policies": {}}
+           "logged": estimators.mean_ci(r, alpha).to_dict(), "policies": {}}
     for name, pi in pmfs.items():
         at = [x[a] for x, a in zip(pi, chosen)]
         out["policies"][name] = {

@@ -21,6 +21,7 @@ import json
 import math
 
 import vowpal_wabbit_next as vw
+from vowpal_wabbit_next import _core  # the parser and workspaces without the per-call label checks
 
 LABEL_KEYS = ("_label_cost", "_label_probability", "_label_Action", "_labelIndex")
 
@@ -35,7 +36,16 @@ def reward_model_args(lr: float, bits: int = 18) -> list[str]:
 
 
 class Bandit:
-    """The policy and reward-model workspaces behind ``predict`` / ``scores`` / ``learn``."""
+    """The policy and reward-model workspaces behind ``predict`` / ``scores`` / ``learn``.
+
+    The online path parses an event's context once (``parse``), predicts on those examples with both
+    workspaces and, at feedback, labels the chosen action's example and learns from the same examples
+    (``learn_examples``): what VW would have parsed from the event's labelled DSJson line, without rendering and
+    parsing it again. One parse serves both workspaces because they parse alike (the same bits, interactions
+    and hashing; both read CB labels); tests check both shortcuts against VW parsing the trace's lines
+    separately for each workspace. It calls vowpal-wabbit-next's core directly: its Python wrappers check every
+    example's label type on each call, which cost more than VW's own work here.
+    """
 
     def __init__(self, epsilon: float = 0.1, lr: float = 0.5, clip_p: float = 0.01, bits: int = 18,
                  state: dict | None = None):
@@ -47,39 +57,58 @@ class Bandit:
         else:
             self.policy = vw.Workspace(self.args)
             self.reward_model = vw.Workspace(self.rm_args)
-        self._pp = vw.DSJsonFormatParser(self.policy)
-        self._rp = vw.DSJsonFormatParser(self.reward_model)
+        self._pw, self._rw = self.policy._workspace, self.reward_model._workspace  # the core workspaces
 
     @staticmethod
     def context_json(shared: dict, actions: list[dict]) -> dict:
         """The DSJson ``c`` object: shared namespace ``s``, one ``a`` namespace per action."""
         return {"s": shared, "_multi": [{"a": a} for a in actions]}
 
-    def predict(self, context: dict) -> list[float]:
-        """The exploration PMF over the actions of ``context``, indexed by action."""
-        n = len(context["_multi"])
-        ranked = self.policy.predict_one(self._pp.parse_json(json.dumps({"c": context})))
+    # ------------------------------------------------------------------ the online path
+    def parse(self, context_text: str) -> list:
+        """The examples (shared first) of an unlabelled event whose ``c`` object is ``context_text``."""
+        return _parse(self._pw, '{"c":' + context_text + "}")
+
+    def predict_examples(self, examples: list) -> list[float]:
+        """The exploration PMF over the actions, indexed by action."""
+        n = len(examples) - 1  # the shared example comes first
         pmf = [0.0] * n
-        for i, p in ranked:
-            pmf[int(i)] = float(p)
-        total = sum(max(p, 0.0) for p in pmf)
+        for i, p in self._pw.predict_multi_ex_one(examples):
+            pmf[i] = p
+        if min(pmf) < 0.0:  # never seen; clipped as a PMF must be
+            pmf = [max(p, 0.0) for p in pmf]
+        total = sum(pmf)
         if not math.isfinite(total) or total <= 0:
             return [1.0 / n] * n
-        return [max(p, 0.0) / total for p in pmf]
+        return [p / total for p in pmf]
+
+    def score_examples(self, examples: list) -> list[float]:
+        """Predicted reward of every action (the reward model's predicted cost, negated), indexed by action."""
+        out = [0.0] * (len(examples) - 1)
+        for i, cost in self._rw.predict_multi_ex_one(examples):
+            out[i] = -cost
+        return out
+
+    def learn_examples(self, examples: list, chosen: int, cost: float, probability: float) -> None:
+        """Learn one event from its parsed examples (both workspaces): the chosen action's example gets the label
+        DSJson's ``_label_*`` keys would give it (1-based action, cost, probability)."""
+        examples[chosen + 1]._set_label(vw.CBLabel(label=(chosen + 1, cost, probability)))
+        self._pw.learn_multi_ex_one(examples)
+        self._rw.learn_multi_ex_one(examples)
+
+    # ------------------------------------------------------------------ from DSJson text (replay, evaluation)
+    def predict(self, context: dict) -> list[float]:
+        """The exploration PMF over the actions of ``context``, indexed by action."""
+        return self.predict_examples(_parse(self._pw, json.dumps({"c": context})))
 
     def scores(self, context: dict) -> list[float]:
         """Predicted reward of every action (the reward model's predicted cost, negated), indexed by action."""
-        n = len(context["_multi"])
-        ranked = self.reward_model.predict_one(self._rp.parse_json(json.dumps({"c": context})))
-        out = [0.0] * n
-        for i, cost in ranked:
-            out[int(i)] = -float(cost)
-        return out
+        return self.score_examples(_parse(self._rw, json.dumps({"c": context})))
 
     def learn(self, line: str) -> None:
         """Learn one labelled DSJson event (both workspaces)."""
-        self.policy.learn_one(self._pp.parse_json(line))
-        self.reward_model.learn_one(self._rp.parse_json(line))
+        self._pw.learn_multi_ex_one(_parse(self._pw, line))
+        self._rw.learn_multi_ex_one(_parse(self._rw, line))
 
     def state_dict(self) -> dict:
         return {"policy": base64.b64encode(self.policy.serialize()).decode(),
@@ -95,12 +124,30 @@ class Bandit:
                 and np.array_equal(self.reward_model.weights()[..., :3], other.reward_model.weights()[..., :3]))
 
 
+def _parse(workspace, text: str) -> list:
+    """VW's DSJson parser on one line, as core examples (shared first)."""
+    return _core._parse_line_dsjson(workspace, text)
+
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
+def compact(obj) -> str:
+    """JSON as the traces write it (no spaces)."""
+    return _COMPACT.encode(obj)
+
+
 def dsjson_line(event_id: str, context: dict, chosen: int, pmf: list[float], cost: float, extra: dict) -> str:
     """One DSJson event in the key order VW's parser needs: label keys, then ids, ``a``/``p`` (1-based action
     ids, chosen first, with the full PMF), then ``c``, then custom fields (which the parser ignores)."""
+    return dsjson_text(event_id, compact(context), chosen, pmf, cost, extra)
+
+
+def dsjson_text(event_id: str, context_text: str, chosen: int, pmf: list[float], cost: float, extra: dict) -> str:
+    """``dsjson_line`` with the ``c`` object already rendered as compact JSON (the same bytes)."""
     p = max(pmf[chosen], 1e-12)
     order = [chosen] + [i for i in range(len(pmf)) if i != chosen]
-    rec = {
+    head = compact({
         "_label_cost": cost,
         "_label_probability": p,
         "_label_Action": chosen + 1,
@@ -109,7 +156,6 @@ def dsjson_line(event_id: str, context: dict, chosen: int, pmf: list[float], cos
         "EventId": event_id,
         "a": [i + 1 for i in order],
         "p": [pmf[i] for i in order],
-        "c": context,
-    }
-    rec.update(extra)
-    return json.dumps(rec, separators=(",", ":"))
+    })
+    tail = compact(extra)[1:] if extra else "}"
+    return head[:-1] + ',"c":' + context_text + ("," + tail if extra else tail)

@@ -1,5 +1,7 @@
 # Cost of the learned controller: microseconds per decision (decide + feedback, one group) on requests shaped
-# like the trainer's, and the share of a default training step's time the controller's own work takes.
+# like the trainer's, the same through the seam a trainer drives (controller.Session: a step with one scored
+# group, its decision, its outcome and the reward), and the share of a default training step's time the
+# controller's own work takes in `rail train`.
 # Run: .venv/bin/python experiments/bench_controller.py [--events 2000] [--steps 6] [--skip-run]
 """Prints one JSON line per measurement and a final JSON summary line."""
 
@@ -15,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from controller import Action, Group, LearnedController, Settings
+from controller import (Action, Group, LearnedController, Option, Rollout, ScoredGroup, Session, SessionSettings,
+                        Settings)
 
 HOWS = ("resample", "rubric_hint", "action_guide", "guided_step")
 WHERES = ("start", "violation", "before")
@@ -69,6 +72,31 @@ def decision_latency(events: int, seed: int) -> dict:
             "us_per_decision_batched16": statistics.median(x * 1e6 for x in batch_times)}
 
 
+def session_latency(events: int, seed: int) -> dict:
+    """Through the seam: one step per event with one group of 8 scored rollouts (rubric, tools, 100 log-probs
+    each) and the same menu: begin_step, add, decide, ran (when it intervenes), end_step."""
+    rng = np.random.default_rng(seed)
+    s = Session(SessionSettings(), seed=seed)
+    times = []
+    for i in range(events):
+        g, truth = synthetic_group(rng, i)
+        level = int(g.context["level"])
+        rollouts = [Rollout(float(ok), bool(ok), float(rng.random()), None if ok else int(rng.integers(0, 4)),
+                            int(rng.integers(0, 4)), 3, int(rng.integers(0, 2)), list(-rng.random(100)), 100)
+                    for ok in rng.random(8) < 0.5 / level]
+        options = [Option(a.name, a.name.split("x")[0], int(a.cost), a.cost, a.features) for a in g.actions]
+        t = time.perf_counter()
+        s.begin_step(i, events, 128)
+        s.add([ScoredGroup("g", g.context["family"], level, rollouts, options)])
+        (c,) = s.decide(64)
+        if c.intervenes:
+            ok = rng.random(c.option.size) < truth.get(c.option.name, 0.3)
+            s.ran(c.id, [Rollout(float(x), bool(x)) for x in ok], c.option.cost)
+        s.end_step()
+        times.append(time.perf_counter() - t)
+    return {"measure": "session", "events": events, "us_per_step_of_one_group": statistics.median(times) * 1e6}
+
+
 def training_overhead(steps: int, seed: int) -> dict:
     """A short default run (controller ``rail``): the controller's own time over the steps' time."""
     from rail.config import build_config
@@ -103,6 +131,9 @@ def main() -> None:
     lat = decision_latency(a.events, a.seed)
     print(json.dumps(lat), flush=True)
     summary.update({k: lat[k] for k in ("us_per_decision", "us_p90", "us_per_decision_batched16")})
+    ses = session_latency(a.events, a.seed)
+    print(json.dumps(ses), flush=True)
+    summary["us_per_session_decision"] = ses["us_per_step_of_one_group"]
     if not a.skip_run:
         tr = training_overhead(a.steps, a.seed)
         print(json.dumps(tr), flush=True)

@@ -1,6 +1,7 @@
-# The learned controller inside a trainer that is not rail's: a toy GRPO-style loop over a simulated policy,
-# using only the controller's public API (create, decide for a batch of groups under a budget, report
-# outcomes, save / load). No torch, no rail.
+# The learned controller inside a trainer that is not rail's: a toy GRPO-style loop over a simulated policy that
+# drives the controller's seam, controller.Session (scored groups with their priced options in, choices out, the
+# chosen interventions' rollouts in; escalation rounds, rewards, traces and state handled inside). No torch,
+# no rail.
 # Run: .venv/bin/python experiments/custom_trainer_example.py [--steps 60] [--out /tmp/ctl-example]
 """Prints the controller's mode, what it chose, and the policy's skill per level at the end."""
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 import controller.reward as R
-from controller import Action, Group, LearnedController, Settings
+from controller import Option, Rollout, ScoredGroup, Session, SessionSettings, Settings
 
 LEVELS = (1, 2, 3, 4)
 # what each intervention multiplies the policy's chance of success by, per level (hidden from the controller)
@@ -34,17 +35,16 @@ class ToyPolicy:
         self.p[level] = min(0.95, self.p[level] + 0.004 * R.signal(rewards))
 
 
-def requests(policy: ToyPolicy, groups: list[tuple[int, list[float]]], step: int, steps: int) -> list[Group]:
-    """What the trainer knows about each group, and the interventions it offers (cost = rollouts)."""
-    out = []
-    for i, (level, rewards) in enumerate(groups):
-        ctx = {"level": str(level), "successes": sum(rewards), "pass_rate": policy.p[level],
-               "train_progress": step / steps}
-        acts = [Action(f"{how}x{k}", {f"how={how}": 1.0, "how_many": float(k)}, float(k))
-                for how in HELP for k in (2, 4)]
-        heuristic = "hintx2" if sum(rewards) == 0 else None  # the rule this trainer used before
-        out.append(Group(f"g{i}", ctx, acts, heuristic=heuristic))
-    return out
+def scored(rewards: list[float]) -> list[Rollout]:
+    """What this trainer knows of a rollout: its reward (success is reward 1; no rubric, no tools)."""
+    return [Rollout(r, r >= 1.0) for r in rewards]
+
+
+def group(i: int, level: int, rewards: list[float]) -> ScoredGroup:
+    """A scored group and the interventions this trainer can run on it, priced in rollouts."""
+    options = [Option(f"{how}x{k}", f"{how}@start", k, cost=k, features={f"how={how}": 1.0, "how_many": float(k)})
+               for how in HELP for k in (2, 4)]
+    return ScoredGroup(f"g{i}", "toy", level, scored(rewards), options)
 
 
 def main() -> None:
@@ -60,30 +60,38 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(a.seed)
     policy = ToyPolicy()
-    ctl = LearnedController(Settings(min_events=40, check_every=20), seed=a.seed, trace_dir=out / "traces")
+    # the heuristic it shadows (the rule this trainer used before): a hint, then a plan if the hint failed
+    settings = SessionSettings(bandit=Settings(min_events=40, check_every=20), ladder=("hint@start", "plan@start"),
+                               ladder_size=2, group_size=a.group_size, unit=2.0)
+    ctl = Session(settings, seed=a.seed, trace_dir=out / "traces")
     chosen: Counter = Counter()
     for step in range(a.steps):
         if step == a.steps // 2:  # the trainer checkpoints and restarts: the controller resumes where it stopped
             ctl.save(out / "controller.json")
-            ctl = LearnedController.load(out / "controller.json", trace_dir=out / "traces")
-        levels = rng.choice(LEVELS, size=a.groups)
-        groups = [(int(lv), policy.rollouts(int(lv), a.group_size, rng)) for lv in levels]
-        decisions = ctl.decide(requests(policy, groups, step, a.steps), budget=a.budget, tag=f"s{step}-")
-        base_signal = R.opportunity([r for _, r in groups], a.group_size, 2)
-        for d, (level, rewards) in zip(decisions, groups):
-            if not d.intervenes:
-                ctl.feedback(d.id, base_signal)  # doing nothing earns what fresh groups earn per unit
-                policy.update(level, rewards)
-                continue
-            how, k = d.action.name.split("x")
-            extra = policy.rollouts(level, int(k), rng, boost=HELP[how][level])
-            ctl.feedback(d.id, R.reward(rewards, extra, d.action.cost, unit=2), {"level": level})
-            policy.update(level, rewards + extra)
-            chosen[(level, d.action.name)] += 1
-    print(json.dumps({"mode": ctl.mode, "transitions": ctl.transitions, "events": ctl.learned,
+            ctl = Session.load(out / "controller.json", trace_dir=out / "traces")
+        levels = [int(lv) for lv in rng.choice(LEVELS, size=a.groups)]
+        rewards = [policy.rollouts(lv, a.group_size, rng) for lv in levels]
+        ctl.begin_step(step, a.steps, step_budget=a.groups * a.group_size + a.budget)
+        ctl.add([group(i, lv, r) for i, (lv, r) in enumerate(zip(levels, rewards))])
+        left = a.budget
+        while True:  # rounds: a group an intervention left without a success is asked again
+            choices = [c for c in ctl.decide(left) if c.intervenes]
+            if not choices:
+                break
+            for c in choices:
+                i, how = int(c.group[1:]), c.option.key.split("@")[0]
+                extra = policy.rollouts(levels[i], c.option.size, rng, boost=HELP[how][levels[i]])
+                ctl.ran(c.id, scored(extra), c.option.cost)
+                rewards[i] += extra
+                left -= c.option.cost
+                chosen[(levels[i], c.option.name)] += 1
+        ctl.end_step()  # the controller's rewards, learning and traces
+        for lv, r in zip(levels, rewards):
+            policy.update(lv, r)
+    print(json.dumps({"mode": ctl.mode, "transitions": ctl.ctl.transitions, "events": ctl.ctl.learned,
                       "skill": {lv: round(p, 3) for lv, p in policy.p.items()},
                       "most_chosen": {f"L{lv}:{n}": c for (lv, n), c in chosen.most_common(6)},
-                      "trace": str(ctl.trace_path)}, indent=1))
+                      "trace": str(ctl.ctl.trace_path)}, indent=1))
 
 
 if __name__ == "__main__":

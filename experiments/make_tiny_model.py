@@ -3,8 +3,10 @@
 # Qwen2.5-style chat template that lists tools (`apply_chat_template(..., tools=...)`) and reads and writes
 # <tool_call> blocks. It stands in for a real checkpoint wherever nothing can be downloaded: the tests train on
 # it with `rollout.tool_format = "hermes"`, and docs/models.md uses it.
-# Run: .venv/bin/python experiments/make_tiny_model.py DIR [--hidden 64 --layers 2 --vocab 2048]
+# Run: .venv/bin/python experiments/make_tiny_model.py DIR [--hidden 64 --layers 2 --vocab 2048] [--bfcl]
 #      .venv/bin/rail train --preset smoke --set model.path=DIR --set rollout.tool_format=hermes
+# --bfcl (needs the bfcl extra) also trains the tokenizer on BFCL's tool docs and questions, so a BFCL prompt is
+# about half as many tokens (docs/environments.md).
 """Writes DIR/config.json, model.safetensors and the tokenizer files; prints one JSON line describing them."""
 
 from __future__ import annotations
@@ -70,9 +72,26 @@ def corpus(n_tasks: int = 300, seed: int = 0) -> list[str]:
     return texts
 
 
-def build_tokenizer(vocab_size: int = 2048):
-    """A byte-level BPE tokenizer (GPT-2 / Qwen pre-tokenisation) trained on :func:`corpus`, with ChatML special
-    tokens and the tool tags as ordinary added tokens (kept when decoding, as in Qwen's tokenizer)."""
+def bfcl_corpus() -> list[str]:
+    """BFCL multi-turn's texts: the system prompt, every function doc (both ``docs`` modes), every user turn, and
+    the ground-truth calls in the JSON formats."""
+    from rail.envs import ToolRunner
+    from rail.envs.bfcl import CATEGORIES, BfclEnv
+
+    texts = []
+    for docs in ("full", "compact"):
+        env = BfclEnv(categories=CATEGORIES, docs=docs)
+        texts += [env.system_prompt(), *(json.dumps(t) for t in env.tools())]
+    runner = ToolRunner(env, "hermes")
+    for task in env.sample_tasks(np.random.default_rng(0), env.levels, 400):
+        texts += [*env.start(task).case.turns, *(runner.render(a) for a in task.action_guide)]
+    return texts
+
+
+def build_tokenizer(vocab_size: int = 2048, bfcl: bool = False):
+    """A byte-level BPE tokenizer (GPT-2 / Qwen pre-tokenisation) trained on :func:`corpus` (and, with ``bfcl``,
+    :func:`bfcl_corpus`), with ChatML special tokens and the tool tags as ordinary added tokens (kept when
+    decoding, as in Qwen's tokenizer)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -81,7 +100,7 @@ def build_tokenizer(vocab_size: int = 2048):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(), trainer)
+    tok.train_from_iterator(corpus() + (bfcl_corpus() if bfcl else []), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=["<|im_start|>"])
     fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS])
@@ -90,14 +109,15 @@ def build_tokenizer(vocab_size: int = 2048):
 
 
 def build(out: str | Path, hidden: int = 64, layers: int = 2, heads: int = 2, kv_heads: int = 1,
-          intermediate: int = 192, vocab: int = 2048, max_positions: int = 2048, seed: int = 0) -> dict:
+          intermediate: int = 192, vocab: int = 2048, max_positions: int = 2048, seed: int = 0,
+          bfcl: bool = False) -> dict:
     """Write the checkpoint to ``out``; returns what was written."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from policy.model import count_parameters, save_policy
 
-    tok = build_tokenizer(vocab)
+    tok = build_tokenizer(vocab, bfcl)
     config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate,
                          max_position_embeddings=max_positions, tie_word_embeddings=True,
@@ -120,8 +140,10 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=192)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bfcl", action="store_true", help="also train the tokenizer on BFCL's texts (bfcl extra)")
     a = ap.parse_args()
-    print(json.dumps(build(a.out, a.hidden, a.layers, a.heads, a.kv_heads, a.intermediate, a.vocab, seed=a.seed)))
+    print(json.dumps(build(a.out, a.hidden, a.layers, a.heads, a.kv_heads, a.intermediate, a.vocab, seed=a.seed,
+                           bfcl=a.bfcl)))
 
 
 if __name__ == "__main__":

@@ -36,9 +36,11 @@ class SamplingParams:
 class RolloutRequest:
     """One rollout to generate.
 
-    ``env`` is anything with ``step(task, text) -> step record`` (``.observation``, ``.ok``, ``.done``): it parses
-    the assistant turn's text, runs the tool and never raises for bad model output. If it has ``tools`` (JSON
-    schemas, OpenAI function format), the chat template lists them in the prompt.
+    ``env`` is anything with ``step(task, text) -> step record`` (``.observation``, ``.ok``, ``.done``, optionally
+    ``.user``: the next user message, rendered in place of the tool message): it parses the assistant turn's
+    text, runs the tool and never raises for bad model output. If it has ``begin(task, prefix_steps)``, each
+    rollout runs on what that returns (a stateful environment's own episode, at the prefix's state). If it has
+    ``tools`` (JSON schemas, OpenAI function format), the chat template lists them in the prompt.
     """
 
     task: Any
@@ -75,13 +77,18 @@ class RolloutEngine(Protocol):
 
 class Episode:
     """Mutable generation state of one request (shared by every engine: prompt rendering, branching from a
-    prefix, guidance marking, tool observations)."""
+    prefix, guidance marking, tool observations). The engines sample its turns; ``rail.integrations.verl`` drives
+    one through verl's LLM server."""
 
     def __init__(self, req: RolloutRequest, renderer: ChatRenderer):
         self.req = req
         task, g = req.task, req.guidance or Guidance()
+        # one runner per rollout: a stateful environment's episode, replayed up to the prefix being continued
+        begin = getattr(req.env, "begin", None)
+        prefix_steps = req.prefix.steps[:req.prefix_turns] if req.prefix is not None else []
+        self.runner = begin(task, prefix_steps) if begin is not None else req.env
         user = task.prompt if g.plan is None else f"{task.prompt} {g.plan}"
-        tools = getattr(req.env, "tools", None)
+        tools = getattr(self.runner, "tools", None)
         train_prompt = renderer.prompt(req.system, task.prompt, tools)
         hint_now = g.hint is not None and req.prefix_turns == 0
         if hint_now:
@@ -115,7 +122,8 @@ class Episode:
             last = turns - 1
             while tr.turn and tr.turn[-1] == last and tr.origin[-1] == Origin.TOOL:
                 tr.ids.pop(), tr.origin.pop(), tr.logprobs.pop(), tr.turn.pop()
-            ids, a, b = renderer.tool_suffix_with_hint(tr.steps[-1].observation, hint)
+            prev = tr.steps[-1]
+            ids, a, b = renderer.tool_suffix_with_hint(prev.observation, hint, getattr(prev, "user", None))
             for i, tok in enumerate(ids):
                 self.push(tok, Origin.GUIDANCE if a <= i < b else Origin.TOOL, 0.0, last)
 
@@ -126,11 +134,20 @@ class Episode:
     def context(self) -> list[int]:
         return self.traj.prompt_ids + self.traj.ids
 
+    def inject(self, renderer: ChatRenderer, max_turns: int, tool_clock: list) -> None:
+        """A guided step's reference action, written as the policy's turn and executed, before any sampling."""
+        g = self.req.guidance
+        if g is not None and g.inject is not None and not self.finished:
+            turn = self.traj.n_turns
+            for tok in [*renderer.encode_turn(g.inject), renderer.end_of_turn]:
+                self.push(tok, Origin.INJECTED, 0.0, turn)
+            self.end_turn(g.inject, renderer, max_turns, tool_clock)
+
     def end_turn(self, text: str, renderer: ChatRenderer, max_turns: int, tool_clock: list) -> None:
         """Execute the turn just written; append the observation or finish."""
         req, tr = self.req, self.traj
         t0 = time.perf_counter()
-        step = req.env.step(req.task, text)
+        step = self.runner.step(req.task, text)
         tool_clock[0] += time.perf_counter() - t0
         tr.steps.append(step)
         tr.turn_texts.append(text)
@@ -141,7 +158,7 @@ class Episode:
         elif tr.n_turns >= max_turns:
             tr.truncated, self.finished = True, True
         else:
-            for tok in renderer.tool_suffix(obs):
+            for tok in renderer.tool_suffix(obs, getattr(step, "user", None)):
                 self.push(tok, Origin.TOOL, 0.0, turn)
 
 
@@ -158,12 +175,7 @@ def run_episodes(episodes: list[Episode], renderer: ChatRenderer, params: Sampli
     budget = [max_new_tokens if max_new_tokens is not None else float("inf")]
     tool_clock = [0.0]
     for ep in episodes:  # guided steps are written before any sampling
-        g = ep.req.guidance
-        if g is not None and g.inject is not None and not ep.finished:
-            turn = ep.traj.n_turns
-            for tok in [*renderer.encode_turn(g.inject), renderer.end_of_turn]:
-                ep.push(tok, Origin.INJECTED, 0.0, turn)
-            ep.end_turn(g.inject, renderer, params.max_turns, tool_clock)
+        ep.inject(renderer, params.max_turns, tool_clock)
     while True:
         active = [e for e in episodes if not e.finished]
         if not active:
@@ -301,7 +313,8 @@ class TransformersEngine:
         seed: int,
         max_new_tokens: int | None = None,
     ) -> list[Trajectory]:
-        gen = torch.Generator().manual_seed(int(seed))
+        device = next(self.model.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(int(seed))  # sampling draws on the logits' device
         episodes = [Episode(r, self.renderer) for r in requests]
         chunks = [_Chunk(episodes[i : i + self.batch_size]) for i in range(0, len(episodes), self.batch_size)]
 

@@ -16,8 +16,13 @@ def write_text_atomic(path: Path, text: str) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.fchmod(fd, 0o666 & ~umask)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a kill signal: no half-written temporary file stays behind
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

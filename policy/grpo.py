@@ -21,6 +21,14 @@ Sources:
   shaping ``f(pi) = pi / (pi + gamma)`` on off-policy tokens, without clipping.
 * TAO-RL -- the tool-agent recipe this project follows: drop zero-variance groups, and scale the advantage of
   the assistant turn right after a tool result by the standardised token entropy.
+* Dual-clip PPO -- Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning"
+  (arXiv:1912.09729): for ``A < 0`` the loss is also capped at ``c |A|``, so one token whose ratio exploded
+  cannot dominate the update (verl's ``clip_ratio_c``, default 3).
+
+Numerical guards, as verl's ``core_algos`` has them: every log-ratio is clamped to
+``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` before it is exponentiated (in float32 ``exp(90)`` is ``inf``, and
+``exp(25) A`` already swamps a batch), and the k3 estimate is capped at ``KL_CAP``. A clamped or capped token
+has zero gradient through that term, as in verl.
 
 Masks: wherever a ``mask`` is taken it may be bool or 0/1 float; any non-zero entry counts as a trainable
 token. Values at masked-out positions never reach a result or a gradient (they are selected away with
@@ -34,6 +42,10 @@ from torch import Tensor
 
 ADV_SCALES = ("std", "none")
 AGGREGATIONS = ("token_mean", "seq_mean", "dr_grpo")
+#: log-ratios are clamped to [-20, 20] before ``exp`` (verl's ``compute_policy_loss`` and ``low_var_kl``)
+LOG_RATIO_CLAMP = 20.0
+#: the k3 estimate per token is capped at 10 (verl's ``low_var_kl``)
+KL_CAP = 10.0
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -155,18 +167,21 @@ def gather_logprobs(logits: Tensor, ids: Tensor) -> Tensor:
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Schulman's k3 estimator of ``KL(pi || ref)`` per sampled token (as in GRPO, Shao et al. 2024).
 
-    ``k3 = exp(r) - r - 1`` with ``r = ref_logp - logp``. For samples from ``pi`` it is unbiased
-    (``E_pi[exp(r)] = 1``), and it is ``>= 0`` everywhere, ``= 0`` exactly when ``logp == ref_logp``.
+    ``k3 = min(exp(r) - r - 1, KL_CAP)`` with ``r = clamp(ref_logp - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)``
+    (verl's ``low_var_kl``). Unclamped and uncapped, for samples from ``pi`` it is unbiased
+    (``E_pi[exp(r)] = 1``); it is ``>= 0`` everywhere, ``= 0`` exactly when ``logp == ref_logp``. A token whose
+    estimate reaches the cap (``|r|`` of about 2.4 or more) has zero gradient, so a far-off token cannot blow up
+    the loss.
 
     Args:
         logp: (B, T) log-probabilities under the policy.
         ref_logp: (B, T) log-probabilities under the reference model.
 
     Returns:
-        (B, T) non-negative estimates.
+        (B, T) non-negative estimates, at most ``KL_CAP``.
     """
-    r = ref_logp - logp  # (B, T)
-    return torch.exp(r) - r - 1.0  # (B, T)
+    r = torch.clamp(ref_logp - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
+    return torch.clamp(torch.exp(r) - r - 1.0, max=KL_CAP)  # (B, T)
 
 
 # ---------------------------------------------------------------------------------------------- aggregation
@@ -279,12 +294,15 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
                   shaping_gamma: float = 0.0, expert_mask: Tensor | None = None,
                   expert_gamma: float = 0.1, guided_sft: float = 0.0,
                   sft_mask: Tensor | None = None,
-                  is_weight: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss with clip-higher and an optional k3 KL penalty.
+                  is_weight: Tensor | None = None,
+                  clip_ratio_c: float = 0.0) -> tuple[Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss with clip-higher, optional dual clip and an optional k3 KL penalty.
 
-    ``rho_t = exp(logp_t - old_logp_t)``
+    ``rho_t = exp(clamp(logp_t - old_logp_t, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))``
     ``l_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t)``   (PPO, Schulman et al. 2017;
     asymmetric bounds = clip-higher, DAPO, Yu et al. 2025)
+    ``l_t = min(l_t, -c A_t)`` where ``A_t < 0``, when ``clip_ratio_c = c > 1``   (dual clip, Ye et al. 2020;
+    ``c = 0``: off)
     ``l_t += kl_coef * k3(logp_t, ref_logp_t)``   when ``ref_logp`` is given and ``kl_coef > 0`` (GRPO)
     ``loss = aggregate(l, mask, aggregation, max_tokens)``
 
@@ -318,6 +336,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
     * ``clip_frac``: share of tokens where the clipped branch is taken, ``clip_frac_low + clip_frac_high``;
     * ``clip_frac_high``: ``A > 0`` and ``rho > 1 + eps_high``;
     * ``clip_frac_low``: ``A < 0`` and ``rho < 1 - eps_low``;
+    * ``clip_frac_dual``: ``A < 0`` and the dual clip binds (``rho > c``; 0 when it is off);
     * ``ratio_mean``, ``ratio_max``: of ``rho``;
     * ``kl``: token mean of k3 (0 without a reference);
     * ``pg_loss``: the policy-gradient part alone, aggregated like the loss.
@@ -332,6 +351,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
         max_tokens: for ``aggregation="dr_grpo"``.
         ref_logp: (B, T) reference-model log-probabilities, or None.
         kl_coef: weight of the k3 penalty.
+        clip_ratio_c: the dual clip's ``c`` (> 1), or 0 for none.
 
     Returns:
         (loss, stats): a 0-dim tensor and a dict of floats.
@@ -343,6 +363,8 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
                          f"{tuple(old_logp.shape)}, {tuple(adv.shape)}, {tuple(mask.shape)}")
     if eps_low < 0 or eps_high < 0:
         raise ValueError(f"eps_low and eps_high must be >= 0; got {eps_low}, {eps_high}")
+    if clip_ratio_c != 0 and not clip_ratio_c > 1:
+        raise ValueError(f"clip_ratio_c must be > 1 (or 0: no dual clip); got {clip_ratio_c}")
     expert = None
     if expert_mask is not None:
         if expert_mask.shape != logp.shape:
@@ -355,10 +377,16 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
     zeros = torch.zeros_like(logp)  # (B, T)
     adv = adv.to(logp.dtype)
     log_ratio = torch.where(sampled, logp - old_logp.detach().to(logp.dtype), zeros)  # (B, T); 0 on expert tokens
+    log_ratio = torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T); exp stays finite in float32
     ratio = torch.exp(log_ratio)  # (B, T); exactly 1 outside the mask
     surr = ratio * adv  # (B, T)
     surr_clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv  # (B, T)
     pg = -torch.minimum(surr, surr_clipped)  # (B, T)
+    dual = None
+    if clip_ratio_c > 0:  # A < 0: the loss of a token is at most c |A| however far its ratio went
+        cap = -clip_ratio_c * adv  # (B, T)
+        dual = (adv < 0) & (pg > cap)  # (B, T)
+        pg = torch.where(dual, cap, pg)  # (B, T)
     shaped = None
     if shaping_gamma > 0 and offpolicy_mask is not None:
         if offpolicy_mask.shape != logp.shape:
@@ -408,6 +436,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
             "clip_frac": clip_high + clip_low,
             "clip_frac_low": clip_low,
             "clip_frac_high": clip_high,
+            "clip_frac_dual": float((dual & clipped).sum()) / denom if dual is not None else 0.0,
             "ratio_mean": float(ratio[m].sum()) / denom if n else 0.0,
             "ratio_max": float(ratio[m].max()) if n else 0.0,
             "kl": float(kl[m].sum()) / denom if (use_kl and n) else 0.0,

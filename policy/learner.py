@@ -36,6 +36,7 @@ class LearnerSettings:
     minibatch_size: int = 32
     eps_low: float = 0.2
     eps_high: float = 0.28
+    clip_ratio_c: float = 0.0  # dual clip for A < 0 (0: off)
     loss_agg: str = "token_mean"
     adv_scale: str = "std"
     kl_coef: float = 0.0
@@ -63,10 +64,11 @@ class PreparedBatch:
     stats: dict[str, float]
 
 
-def pad_training_views(trajs: list[Trajectory], pad_id: int):
+def pad_training_views(trajs: list[Trajectory], pad_id: int, device: torch.device | str | None = None):
     """Right-padded training views (B, L): ids, attention mask, loss mask, behaviour log-probs, post-tool flags,
     off-policy flags (policy tokens sampled under guidance the view strips), injected flags (tokens an
-    intervention wrote as the policy's turn). :func:`is_weight_view` gives the importance-sampling weights."""
+    intervention wrote as the policy's turn), on ``device`` (default the CPU). :func:`is_weight_view` gives the
+    importance-sampling weights."""
     views = [t.training_view() for t in trajs]
     B, L = len(views), max(len(v[0]) for v in views)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -83,7 +85,8 @@ def pad_training_views(trajs: list[Trajectory], pad_id: int):
         post_tool[b, :n] = torch.tensor([t >= 1 for t in turn])
         offpolicy[b, :n] = torch.tensor(tr.offpolicy_flags(), dtype=torch.bool)
         injected[b, :n] = torch.tensor([o == Origin.INJECTED for o in origin])
-    return ids, attn, mask, old, post_tool, offpolicy, injected
+    out = ids, attn, mask, old, post_tool, offpolicy, injected
+    return out if device is None else tuple(t.to(device) for t in out)
 
 
 def is_weight_view(trajs: list[Trajectory]) -> torch.Tensor:
@@ -98,11 +101,33 @@ def is_weight_view(trajs: list[Trajectory]) -> torch.Tensor:
 def sft_loss(model, trajs: list[Trajectory], pad_id: int) -> torch.Tensor:
     """Mean negative log-likelihood of the trained tokens of ``trajs`` (their training views): the warm start's
     loss, and rehearsal's."""
-    ids, attn, mask, *_ = pad_training_views(trajs, pad_id)
+    ids, attn, mask, *_ = pad_training_views(trajs, pad_id, next(model.parameters()).device)
     logits = forward_logits(model, ids, attn, pad_id)[:, :-1].float()  # (B, T, V), packed
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T)
     m = mask[:, 1:]
     return -(logp * m).sum() / m.sum().clamp(min=1)
+
+
+@torch.no_grad()
+def shift_measures(model, trajs: list[Trajectory], pad_id: int, temperature: float, batch_size: int) -> list[float]:
+    """The shift measure (:func:`policy.grpo.shift_measure`) of each trajectory under ``model``'s current weights,
+    logits divided by the rollout ``temperature`` as the behaviour's were: what the shift filter compares with
+    ``shift_threshold``. The learner's filter and another trainer's adapter (``rail.integrations.trl``) both call it."""
+    out: list[float] = []
+    was = model.training
+    model.eval()
+    try:
+        for i in range(0, len(trajs), batch_size):
+            chunk = trajs[i : i + batch_size]
+            ids, attn, _, old, _, off, _ = pad_training_views(chunk, pad_id, next(model.parameters()).device)
+            logits = forward_logits(model, ids, attn, pad_id)[:, :-1].float()  # (B, T, V)
+            if temperature > 0:
+                logits = logits / temperature
+            logp = grpo.gather_logprobs(logits, ids[:, 1:])  # (B, T)
+            out += grpo.shift_measure(logp, old[:, 1:], off[:, 1:]).tolist()
+    finally:
+        model.train(was)
+    return out
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -247,7 +272,7 @@ class GRPOLearner:
             for i in range(0, len(trajs), self.s.minibatch_size):
                 chunk = trajs[i : i + self.s.minibatch_size]
                 sampled = [dataclasses.replace(t, keep_guidance=True) for t in chunk]  # the context as sampled
-                ids, attn, mask, *_ = pad_training_views(sampled, self.pad_id)
+                ids, attn, mask, *_ = pad_training_views(sampled, self.pad_id, self.device)
                 logp = grpo.gather_logprobs(self._logits(self.model, ids, attn), ids[:, 1:])  # (B, T)
                 for b, t in enumerate(chunk):
                     mine = logp[b][mask[b, 1:] > 0].tolist()  # the policy tokens, in order
@@ -268,28 +293,20 @@ class GRPOLearner:
                 "tis_truncated_share": sum(r > self.s.tis_cap for r in ratios) / len(ratios),
                 "tis_logprob_diff_max": max(diffs)}
 
-    @torch.no_grad()
     def shift_of(self, trajs: list[Trajectory]) -> list[float]:
         """The shift measure of each trajectory under the current weights (no gradient)."""
-        out: list[float] = []
-        was = self.model.training
-        self.model.eval()
-        try:
-            for i in range(0, len(trajs), self.s.minibatch_size):
-                chunk = trajs[i : i + self.s.minibatch_size]
-                ids, attn, _, old, _, off, _ = pad_training_views(chunk, self.pad_id)
-                logp = grpo.gather_logprobs(self._logits(self.model, ids, attn), ids[:, 1:])  # (B, T)
-                out += grpo.shift_measure(logp, old[:, 1:], off[:, 1:]).tolist()
-        finally:
-            self.model.train(was)
-        return out
+        return shift_measures(self.model, trajs, self.pad_id, self.s.temperature, self.s.minibatch_size)
 
     # ------------------------------------------------------------------ forward
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def _batch(self, trajs: list[Trajectory], advs: list[float]):
-        ids, attn, mask, old, post_tool, off, inj = pad_training_views(trajs, self.pad_id)
+        ids, attn, mask, old, post_tool, off, inj = pad_training_views(trajs, self.pad_id, self.device)
         B, L = ids.shape
-        adv = torch.tensor(advs, dtype=torch.float)[:, None].expand(B, L - 1)  # (B, T)
-        isw = is_weight_view(trajs)[:, 1:] if self.s.old_logprobs == "recompute" else None  # (B, T)
+        adv = torch.tensor(advs, dtype=torch.float, device=self.device)[:, None].expand(B, L - 1)  # (B, T)
+        isw = is_weight_view(trajs)[:, 1:].to(self.device) if self.s.old_logprobs == "recompute" else None  # (B, T)
         # token k is predicted from position k-1: shift everything that describes targets by one
         return (ids, attn, mask[:, 1:], old[:, 1:], post_tool[:, 1:] & (mask[:, 1:] > 0), adv, off[:, 1:],
                 inj[:, 1:], isw)
@@ -329,7 +346,7 @@ class GRPOLearner:
                                               offpolicy_mask=off, shaping_gamma=s.shaping_gamma,
                                               expert_mask=inj if s.injected_gamma > 0 else None,
                                               expert_gamma=s.injected_gamma, guided_sft=s.guided_sft,
-                                              sft_mask=off, is_weight=isw)
+                                              sft_mask=off, is_weight=isw, clip_ratio_c=s.clip_ratio_c)
                 if s.rehearsal > 0:  # PPO-ptx: keep the demonstrations' likelihood up beside the RL objective
                     nll = sft_loss(self.model, self.rehearsal_source(s.rehearsal_batch), self.pad_id)
                     loss = loss + s.rehearsal * nll

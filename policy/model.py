@@ -124,5 +124,12 @@ def replace_dir(src: Path, dest: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the first CUDA GPU when there is one, else the CPU; otherwise the named device."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -10,6 +10,12 @@ attends across sequences. The logits are gathered back into the right-padded lay
 Whether the installed ``transformers`` and the model's attention do this is checked once per model by
 comparing a packed pass with separate ones; where it does not, :func:`forward_logits` is the plain padded
 forward pass. Positions the attention mask marks as padding get some real token's logits: callers mask them.
+
+Rows longer than :data:`PACK_MAX_TOKENS` are not packed: a block-diagonal mask is a (rows, 1, L, L) tensor and
+sends attention down its quadratic-memory path, which for a batch of BFCL-length sequences (4-7k tokens) took
+more than 16 GB. The padded pass takes no attention mask at all: in a right-padded batch causal attention never
+reaches the padding after a sequence, so every real token sees exactly its own prefix, and attention can use its
+memory-efficient kernels.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import torch
 
 _ATOL = 1e-4
+#: Longest row a batch is packed into; longer batches take the unmasked padded pass.
+PACK_MAX_TOKENS = 2048
 
 
 def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -96,9 +104,10 @@ def supports_packing(model, pad_id: int) -> bool:
 
 
 def forward_logits(model, ids: torch.Tensor, attn: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """Logits (B, L, V) of a right-padded batch; packed when the model supports it (see the module doc)."""
-    if supports_packing(model, pad_id):
+    """Logits (B, L, V) of a right-padded batch; packed when the model supports it and rows are short enough
+    (see the module doc)."""
+    if ids.shape[1] <= PACK_MAX_TOKENS and supports_packing(model, pad_id):
         lengths = [int(n) for n in attn.sum(dim=1).tolist()]
         if min(lengths) > 0:
             return _packed_logits(model, ids, lengths, pad_id)
-    return model(input_ids=ids, attention_mask=attn).logits
+    return model(input_ids=ids).logits  # right padding: causal attention alone keeps each sequence to itself

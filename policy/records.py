@@ -81,8 +81,9 @@ class Trajectory:
         return len(self.steps)
 
     def tool_calls(self) -> tuple[int, int]:
-        """(tool calls made, tool calls that failed), counting every turn that was not a clean answer."""
-        calls = [s for s in self.steps if not (s.done and s.ok)]
+        """(tool calls made, tool calls that failed), counting every turn that was not a clean answer or a clean
+        end of the reply to one user message (the environment went on with the next, ``step.user``)."""
+        calls = [s for s in self.steps if not ((s.done or getattr(s, "user", None) is not None) and s.ok)]
         return len(calls), sum(1 for s in calls if not s.ok)
 
     @property

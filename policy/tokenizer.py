@@ -69,7 +69,7 @@ class ChatRenderer:
         last = len(self._dummy_ids) - 1 - self._dummy_ids[::-1].index(self.end_of_turn)
         self._after_turn = self._dummy_ids[last + 1:]
         self._prompts: dict = {}
-        self._suffixes: dict[str, list[int]] = {}
+        self._suffixes: dict[tuple[str, str | None], list[int]] = {}
 
     def _ids(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
         kw = {"tools": tools} if tools else {}
@@ -82,7 +82,7 @@ class ChatRenderer:
         """Prompts repeat (a group shares its task's), and rendering a template that lists tools is not free."""
         key = (tuple((m["role"], m["content"]) for m in messages), id(tools) if tools else None)
         if key not in self._prompts:
-            if len(self._prompts) > 4096:
+            if len(self._prompts) >= 512:  # a step's groups share few prompts; BFCL's run to thousands of tokens
                 self._prompts.clear()
             self._prompts[key] = (self._ids(messages, generation_prompt=True, tools=tools), tools)
         return list(self._prompts[key][0])
@@ -92,16 +92,19 @@ class ChatRenderer:
         the way the template lists them (the built-in template lists none)."""
         return self._prompt_ids([{"role": "system", "content": system}, {"role": "user", "content": user}], tools)
 
-    def tool_suffix(self, observation: str) -> list[int]:
-        """Tokens after an assistant turn's end: the tool message and the next assistant header.
+    def tool_suffix(self, observation: str, user: str | None = None) -> list[int]:
+        """Tokens after an assistant turn's end: the tool message and the next assistant header. ``user``: the
+        environment went on to its next user message instead (a conversation of several user turns), which
+        takes the tool message's place.
 
         Observations repeat (an entity, a number, an error message) and rendering the template is a good part of
         a rollout's time on a small model, so suffixes are kept like prompts."""
-        if observation not in self._suffixes:
-            if len(self._suffixes) > 4096:
+        key = (observation, user)
+        if key not in self._suffixes:
+            if len(self._suffixes) >= 4096:
                 self._suffixes.clear()
-            self._suffixes[observation] = self._suffix_many([{"role": "tool", "content": observation}])
-        return list(self._suffixes[observation])
+            self._suffixes[key] = self._suffix_many(_after_turn(observation, user))
+        return list(self._suffixes[key])
 
     def _suffix_many(self, messages: list[dict]) -> list[int]:
         full = self._ids([*self._dummy, *messages], generation_prompt=True)
@@ -109,14 +112,14 @@ class ChatRenderer:
             raise ValueError("chat template is not prefix-stable; cannot render tool messages incrementally")
         return self._after_turn + full[len(self._dummy_ids):]
 
-    def tool_suffix_with_hint(self, observation: str, hint: str) -> tuple[list[int], int, int]:
-        """The tool suffix with a user hint message after the tool message.
+    def tool_suffix_with_hint(self, observation: str, hint: str, user: str | None = None) -> tuple[list[int], int, int]:
+        """The tool suffix with a user hint message after the tool message (or after ``user``'s message).
 
         Returns ``(ids, start, end)``: ``ids[start:end]`` are the hint's tokens (guidance); removing them gives
         exactly :meth:`tool_suffix`.
         """
-        base = self.tool_suffix(observation)
-        full = self._suffix_many([{"role": "tool", "content": observation}, {"role": "user", "content": hint}])
+        base = self.tool_suffix(observation, user)
+        full = self._suffix_many([*_after_turn(observation, user), {"role": "user", "content": hint}])
         start, end = split_inserted(base, full)
         return full, start, end
 
@@ -136,6 +139,11 @@ class ChatRenderer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def _after_turn(observation: str, user: str | None) -> list[dict]:
+    """The message that follows an assistant turn: the tool's observation, or the next user message."""
+    return [{"role": "user", "content": user}] if user is not None else [{"role": "tool", "content": observation}]
 
 
 def split_inserted(base: list[int], with_extra: list[int]) -> tuple[int, int]:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from policy.fileio import write_text_atomic
-from rail.config import Config, ConfigError, build_config, merge, validate
+from rail.config import Config, ConfigError, build_config, merge, read_json, read_text, validate
 
 TOP_LEVEL = ("ablation", "base", "preset", "arms", "resources")
 ABLATION_KEYS = ("name", "description", "seeds")
@@ -96,10 +96,7 @@ def _no_managed(overrides: dict, where: str) -> None:
 def load_ablation(path: str | Path) -> Ablation:
     """Parse and check an ablation file; every error is a :class:`ConfigError` naming the file and the table."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"--config {p}: no such file") from None
+    text = read_text(p, "--config")
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -233,6 +230,8 @@ def _toml_value(v) -> str:
         return json.dumps(v)  # JSON string escapes are TOML basic-string escapes
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table (env.options), keys quoted: an import path has dots and a colon
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {v!r} as TOML")
 
 
@@ -310,10 +309,26 @@ def _comparable(d: dict) -> dict:
     return d
 
 
+def _finished(d: Path) -> bool:
+    """Whether the run in ``d`` wrote a summary.json the report can read; a damaged one (a disk that filled, a
+    stray edit) is said, and the job runs again: resuming its last checkpoint writes the summary anew."""
+    p = d / "summary.json"
+    if not p.is_file():
+        return False
+    try:
+        s = json.loads(p.read_text(encoding="utf-8"))
+        s["eval"]["easy_final"], s["budget"]["spent"]["total"]  # noqa: B018 - what the report reads first
+        return True
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        import warnings
+        warnings.warn(f"{p}: damaged ({type(e).__name__}: {e}); this job runs again to rewrite it", stacklevel=3)
+        return False
+
+
 def classify(job: Job) -> str:
     """skip (finished), resume (killed after a checkpoint) or start; refuses a directory of another config."""
     d = job.dir
-    if (d / "summary.json").is_file():
+    if _finished(d):
         action = "skip"
     elif (d / "config.json").is_file() and (d / "checkpoints" / "latest").is_file():
         action = "resume"
@@ -473,10 +488,7 @@ class AblationRunner:
     def _load_state(self) -> dict:
         p = self.out / STATE_FILE
         if p.is_file():
-            try:
-                st = json.loads(p.read_text())
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{p}: corrupt ({e}); delete it to start the ablation's bookkeeping afresh") from None
+            st = read_json(p, fix="delete it to start the ablation's bookkeeping afresh (finished runs are kept)")
             if st.get("name") != self.ab.name:
                 raise ConfigError(f"{self.out} holds ablation {st.get('name')!r}, not {self.ab.name!r}; use another --out")
             return st
@@ -506,10 +518,10 @@ class AblationRunner:
         if not cfg.warmstart.enabled:
             return None
         if job.seed not in self._ws_keys:
-            from rail.envs import make_env
+            from rail.envs import make_envs
             from rail.policy_setup import warmstart_cache
 
-            envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
+            envs = make_envs(cfg.env.families, cfg.env.seed, cfg.env.options)
             self._ws_keys[job.seed] = warmstart_cache(cfg, envs)  # the path the trainer writes, by the same code
         return self._ws_keys[job.seed]
 

@@ -69,15 +69,27 @@ def _read_metrics(path: Path) -> list[dict]:
     return [steps[k] for k in sorted(steps)]
 
 
+class DamagedRun(ValueError):
+    """A child run whose summary.json exists but cannot be read; the message names the file and the fix."""
+
+
 def load_seed_run(run_dir: Path) -> dict | None:
-    """What the report needs from one child run; None when it has no summary.json."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError):
+    """What the report needs from one child run; None when it has no summary.json (not finished), a
+    :class:`DamagedRun` when its summary.json is damaged."""
+    p = run_dir / "summary.json"
+    if not p.is_file():
         return None
     try:
-        config = json.loads((run_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        return _seed_run(run_dir, json.loads(p.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise DamagedRun(f"{p}: damaged ({type(e).__name__}: {e}); rerun the same `rail ablate` command to "
+                         "write it again from the run's last checkpoint") from None
+
+
+def _seed_run(run_dir: Path, summary: dict) -> dict:
+    try:
+        config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         config = {}
     ev = summary["eval"]
     easy, beyond = ev["easy_levels"], ev["beyond_levels"]
@@ -124,10 +136,15 @@ def load_seed_run(run_dir: Path) -> dict | None:
 
 
 def load_ablation_dir(root: Path) -> tuple[dict, dict[str, dict[int, dict]]]:
-    """(the ablation's state, ``{arm: {seed: run}}``) from an ablation directory."""
+    """(the ablation's state, ``{arm: {seed: run}}``) from an ablation directory. The state's ``damaged`` lists
+    the child runs whose summary.json could not be read (each also a warning); they are left out."""
+    from rail.config import read_json
+
     state: dict = {}
     if (root / "ablation.json").is_file():
-        state = json.loads((root / "ablation.json").read_text())
+        state = read_json(root / "ablation.json", fix="rerun the same `rail ablate` command to rewrite it, or delete "
+                                                       "it to report every run under the directory")
+    state = dict(state, damaged=[])
     arms = list(state.get("arms") or [])
     for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         if d.name not in arms and any((s / "config.json").is_file() for s in d.glob("seed*")):
@@ -141,7 +158,13 @@ def load_ablation_dir(root: Path) -> tuple[dict, dict[str, dict[int, dict]]]:
                 continue
             if state.get("seeds") is not None and int(m.group(1)) not in state["seeds"]:
                 continue
-            run = load_seed_run(s)
+            try:
+                run = load_seed_run(s)
+            except DamagedRun as e:
+                import warnings
+                warnings.warn(str(e), stacklevel=2)
+                state["damaged"].append(str(e))
+                continue
             if run is not None:
                 runs[arm][int(m.group(1))] = run
     return state, runs
@@ -253,6 +276,7 @@ def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
         "none_final_easy": target,
         "arms": arms, "failed": failed,
         "arms_missing": [a for a in (state.get("arms") or list(runs)) if a not in arms],
+        "damaged": list(state.get("damaged", [])),
     }
 
 
@@ -264,6 +288,9 @@ def _equal(values: list[float], rel: float = 0.01) -> bool:
 def _eval_tasks(run: dict | None, which: str) -> int | None:
     if run is None:
         return None
+    counts = run["summary"]["eval"].get("tasks")  # held-out tasks per row and level (finite pools hold fewer)
+    if counts:
+        return sum(n.get(str(lv), 0) for n in counts.values() for lv in run[which])
     c = run["config"]
     fams = len(c.get("env", {}).get("families", [])) or len(run["summary"]["eval"]["final"])
     return fams * len(run[which]) * int(c.get("eval", {}).get("tasks_per_level", 0))
@@ -652,8 +679,12 @@ def write_report(root: Path, parent=None, figures: bool = True) -> dict:
     rep = summarize(state, runs)
     if not rep["arms"]:
         from rail.config import ConfigError
-        raise ConfigError(f"{root}: no finished run (no <arm>/seed<k>/summary.json); nothing to report")
+        files = [d.split(": damaged (")[0] for d in state["damaged"]]
+        damaged = f"; damaged, rerun the `rail ablate` command to rewrite them: {', '.join(files)}" if files else ""
+        raise ConfigError(f"{root}: no finished run (no readable <arm>/seed<k>/summary.json){damaged}; nothing to report")
     rep["verdict"] = compare(rep)
+    if rep["damaged"]:  # whatever the comparison says, it says it without these runs
+        rep["verdict"]["text"] += " Left out, damaged: " + "; ".join(rep["damaged"])
     rep["versus_none"] = versus_none(rep)
     rep["figures"] = draw_figures(rep, root) if figures else []
     public = json.loads(json.dumps(rep, default=float))

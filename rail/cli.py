@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from rail.config import ConfigError, build_config, load_toml, parse_set
@@ -112,7 +113,12 @@ def cmd_train(a: argparse.Namespace) -> int:
         cfg = config_from_args(a)  # validated before any directory or model exists
         from rail.train import start_run
         trainer, out = start_run(cfg, show_progress=not a.no_progress)
-    summary = trainer.run()
+    try:
+        summary = trainer.run()
+    except OSError as e:  # a full disk, a directory gone: checkpoints are written atomically, so the last one holds
+        from rail.rundir import RunError
+        raise RunError(f"{e}; the last checkpoint is intact: fix this, then resume with "
+                       f"`rail train --resume {out}`") from None
     from rail.report import format_summary
     print(format_summary(summary, out))
     return 0
@@ -189,7 +195,17 @@ def cmd_report(a: argparse.Namespace) -> int:
     return 0
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None, _default=warnings.showwarning):
+    """rail's own warnings (a checkpoint passed over, tracking switched off) as one ``rail: warning:`` line;
+    any other library's as Python prints them."""
+    if Path(filename).resolve().parent.parent == Path(__file__).resolve().parent.parent and issubclass(category, UserWarning):
+        print(f"rail: warning: {message}", file=sys.stderr if file is None else file)
+    else:
+        _default(message, category, filename, lineno, file, line)
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = _show_warning
     parser = argparse.ArgumentParser(prog="rail", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
     _train_parser(sub)
@@ -213,9 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         print("rail: interrupted; resume with `rail train --resume DIR`", file=sys.stderr)
         return 130
     except Exception as e:  # known failure kinds get one clear line, not a traceback
-        from policy.checkpoint import CheckpointError
-        from rail.train import RunError
-        if isinstance(e, (CheckpointError, RunError, FileNotFoundError)):
+        from rail.rundir import RunError
+        known = (RunError, OSError)  # an OSError names its file (a full disk, a missing or unreadable path)
+        if "policy.checkpoint" in sys.modules:  # a CheckpointError exists only once it is imported (torch: slow)
+            known += (sys.modules["policy.checkpoint"].CheckpointError,)
+        if isinstance(e, known):
             print(f"rail: error: {e}", file=sys.stderr)
             return 1
         raise

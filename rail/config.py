@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
+import os
 import dataclasses
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -21,10 +23,13 @@ class ConfigError(ValueError):
     """A bad configuration value; the message names the field and what to change."""
 
 
-def F(default: Any, doc: str) -> Any:
+def F(default: Any, doc: str, allow_inf: bool = False) -> Any:
+    """A documented field. Every float must be finite unless ``allow_inf`` (the doc then says what inf means);
+    NaN is never accepted (:func:`validate`)."""
+    meta = {"doc": doc, "allow_inf": allow_inf}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: copy.deepcopy(d), metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
+        return field(default_factory=lambda d=default: copy.deepcopy(d), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -35,6 +40,7 @@ class RunConfig:
     steps: int = F(100, "Number of training steps (each generates one step's budget of rollouts).")
     checkpoint_every: int = F(10, "Write a checkpoint every this many steps (and always at the end).")
     threads: int = F(0, "torch intra-op threads (0: leave torch's default).")
+    device: str = F("auto", "Where the model trains and the transformers engine samples: 'auto' (the first CUDA GPU when there is one, else the CPU), 'cpu', 'cuda' or 'cuda:N'. The vLLM engine places its own copy.")
 
 
 @dataclass
@@ -63,7 +69,8 @@ class WarmStartConfig:
 
 @dataclass
 class EnvConfig:
-    families: list[str] = F(["lookup", "calc", "kin"], "Environment families to train and evaluate on (docs/usage.md, Environments).")
+    families: list[str] = F(["lookup", "calc", "kin"], "Environment families to train and evaluate on: built-in names (lookup, calc, kin; bfcl with the bfcl extra) or import paths package.module:Class of your own (docs/environments.md).")
+    options: dict[str, dict] = F({}, "Keyword arguments of each family's constructor, by its entry in env.families: [env.options.bfcl] categories = [\"base\", \"miss_param\"] in TOML, --set 'env.options.bfcl.categories=[\"base\"]' (docs/environments.md).")
     levels: list[int] = F([1, 2, 3, 4], "Levels training tasks are drawn from (uniformly).")
     seed: int = F(0, "Seed of the environments' worlds (knowledge graph); fixed across runs to compare them.")
 
@@ -100,6 +107,7 @@ class LearnerConfig:
     minibatch_size: int = F(64, "Trajectories per optimizer step.")
     eps_low: float = F(0.2, "PPO clip: lower bound 1 - eps_low on the ratio.")
     eps_high: float = F(0.28, "PPO clip: upper bound 1 + eps_high (clip-higher, DAPO).")
+    clip_ratio_c: float = F(0.0, "Dual clip (Ye et al. 2020): for A < 0 a token's loss is at most c x (-A), however far its ratio went; c > 1 (verl's default is 3). 0: off, plain PPO clipping, as the benchmarks were measured.")
     loss_agg: str = F("token_mean", "Loss aggregation: 'token_mean' (DAPO), 'seq_mean' (GRPO), 'dr_grpo' (constant).")
     adv_scale: str = F("std", "Group advantage scaling: 'std' (GRPO) or 'none' (Dr.GRPO).")
     kl_coef: float = F(0.0, "Coefficient of the k3 KL penalty to the frozen initial policy (0: no reference).")
@@ -107,7 +115,7 @@ class LearnerConfig:
     drop_zero_variance: bool = F(True, "Drop groups whose rewards have (near) zero spread (TAO-RL, DAPO).")
     mask_all_tools_failed: bool = F(True, "Mask trajectories in which every tool call failed (TAO-RL).")
     entropy_coef: float = F(0.0, "TAO-RL entropy shaping c in A*(1 + c*z) on the turn after a tool result.")
-    shift_threshold: float = F(1.0, "Shift filter: drop an intervened trajectory whose mean log-ratio (guided vs stripped context, policy tokens sampled under guidance) exceeds this.")
+    shift_threshold: float = F(1.0, "Shift filter: drop an intervened trajectory whose mean log-ratio (guided vs stripped context, policy tokens sampled under guidance) exceeds this (inf: no filter).", allow_inf=True)
     shaping_gamma: float = F(0.1, "LUFFY policy shaping pi/(pi+gamma) on tokens sampled under guidance (0: off, the clipped ratio).")
     guided_sft: float = F(1.0, "STaR rationalization: add beta x the NLL, in the context without guidance, of the tokens a rollout that beat its group's baseline sampled under a hint or plan (0: off). Distils what the guidance revealed at full weight.")
     guided_replay: bool = F(True, "Also train every trained rollout sampled under a hint or plan in the context it was sampled in (guidance kept: on-policy there, the same advantage), beside its stripped copy, so the policy keeps reading guidance while it learns from it.")
@@ -160,7 +168,7 @@ class EvalConfig:
 
 @dataclass
 class TrackingConfig:
-    uri: str = F("sqlite:///mlflow.db", "MLflow tracking URI ('' disables MLflow; metrics.jsonl is always written).")
+    uri: str = F("sqlite:///mlflow.db", "MLflow tracking URI ('' disables MLflow; metrics.jsonl is always written). Left unset, it is $MLFLOW_TRACKING_URI when that is set. An unreachable server costs a few seconds, never the run: tracking is switched off and the summary says so.")
     experiment: str = F("rail", "MLflow experiment name.")
     parent_run_id: str = F("", "MLflow run id this run is logged under as a nested child run (tag mlflow.parentRunId); `rail ablate` sets it (empty: a top-level run).")
 
@@ -229,6 +237,10 @@ CHOICES = {
 
 def _coerce(key: str, value: Any, typ: Any) -> Any:
     origin = getattr(typ, "__origin__", None)
+    if origin is dict:  # a table of tables (env.options): checked further by validate()
+        if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+            raise ConfigError(f"{key}: expected a table of tables, e.g. {{bfcl = {{categories = [\"base\"]}}}}, got {value!r}")
+        return copy.deepcopy(value)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r} (write it as [1, 2])")
@@ -265,6 +277,18 @@ def merge(cfg: Config, overrides: dict, source: str = "") -> Config:
             raise ConfigError(f"'{section}'{where} must be a table of keys, got {values!r}")
         hints = get_type_hints(type(sub))
         for key, value in values.items():
+            head, _, rest = key.partition(".")
+            if rest and getattr(hints.get(head), "__origin__", None) is dict:  # --set env.options.bfcl.categories=...
+                table = getattr(sub, head)
+                *path, last = rest.split(".")
+                for part in path:
+                    table = table.setdefault(part, {})
+                    if not isinstance(table, dict):
+                        raise ConfigError(f"{section}.{key}: {part} is not a table")
+                if not path:
+                    _coerce(f"{section}.{key}", {last: value}, hints[head])
+                table[last] = copy.deepcopy(value)
+                continue
             if key not in hints:
                 valid = ", ".join(f.name for f in fields(sub))
                 raise ConfigError(f"unknown config key '{section}.{key}'{where}; valid keys: {valid}")
@@ -285,12 +309,41 @@ def parse_set(item: str) -> dict:
     return {section: {name: value}}
 
 
+def read_text(path: str | Path, what: str = "") -> str:
+    """The text of a UTF-8 file the user named (``what``: how, e.g. ``--config``); anything that keeps it from
+    being read is a :class:`ConfigError` naming the file and what to do."""
+    p = Path(path)
+    name = f"{what} {p}" if what else str(p)
+    try:
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{name}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{name}: is a directory; name a file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{name}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot be read ({e.strerror or e})") from None
+
+
+def read_json(path: str | Path, what: str = "", fix: str = "") -> dict:
+    """A JSON object from a file (:func:`read_text`); a :class:`ConfigError` naming the file otherwise."""
+    p = Path(path)
+    text = read_text(p, what)
+    name = f"{what} {p}" if what else str(p)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{name}: not valid JSON ({e}){'; ' + fix if fix else ''}") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{name}: expected a JSON object, got {type(obj).__name__}{'; ' + fix if fix else ''}")
+    return obj
+
+
 def load_toml(path: str | Path) -> dict:
     p = Path(path)
     try:
-        return tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"--config {p}: no such file") from None
+        return tomllib.loads(read_text(p, "--config"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {p}: not valid TOML ({e})") from None
 
@@ -298,7 +351,10 @@ def load_toml(path: str | Path) -> dict:
 def build_config(preset: str = "default", toml: dict | None = None, sets: list[dict] | None = None) -> Config:
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset '{preset}'; valid presets: {', '.join(PRESETS)}")
-    cfg = merge(Config(), PRESETS[preset], f"preset {preset}")
+    cfg = Config()
+    if os.environ.get("MLFLOW_TRACKING_URI"):  # MLflow's own variable replaces the default, not a chosen uri
+        cfg.tracking.uri = os.environ["MLFLOW_TRACKING_URI"]
+    merge(cfg, PRESETS[preset], f"preset {preset}")
     if toml:
         merge(cfg, toml, "config file")
     for s in sets or []:
@@ -319,12 +375,27 @@ def resolve(cfg: Config) -> Config:
     return cfg
 
 
+def check_finite(cfg: Config) -> None:
+    """Every float of the tree (lists included) is a number: NaN nowhere, inf only where the field's doc says
+    what it means. Checked for every field, so a new float field is covered without a rule of its own."""
+    for sec in fields(Config):
+        sub = getattr(cfg, sec.name)
+        for f in fields(sub):
+            v = getattr(sub, f.name)
+            for x in (v if isinstance(v, list) else [v]):
+                if isinstance(x, float) and not math.isfinite(x) and (math.isnan(x) or not f.metadata.get("allow_inf")):
+                    raise ConfigError(f"{sec.name}.{f.name} = {x}: must be a finite number")
+
+
 def validate(cfg: Config) -> None:
     """Cross-field rules, checked before anything runs (after :func:`resolve`)."""
     from rail.controllers import CONTROLLERS
-    from rail.envs import ENVIRONMENTS
+    from rail.envs import ENVIRONMENTS, EXTRAS, check_family
 
     resolve(cfg)
+    check_finite(cfg)
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.run.device):
+        raise ConfigError(f"run.device = {cfg.run.device!r}: one of auto, cpu, cuda, cuda:N")
     for key, valid in CHOICES.items():
         section, name = key.split(".")
         v = getattr(getattr(cfg, section), name)
@@ -349,10 +420,20 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"run.steps = {cfg.run.steps}: must be >= 1")
     for key in ("run.checkpoint_every", "eval.every", "eval.tasks_per_level", "learner.epochs",
                 "learner.minibatch_size", "rollout.max_turns", "rollout.max_tokens_per_turn",
-                "rollout.batch_size", "warmstart.batch_size"):
+                "rollout.batch_size", "warmstart.batch_size", "warmstart.steps", "model.hidden_size",
+                "model.layers", "model.heads", "model.kv_heads", "model.intermediate_size", "model.max_positions"):
         section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) < 1:
-            raise ConfigError(f"{key} must be >= 1")
+        v = getattr(getattr(cfg, section), name)
+        if v < 1:
+            raise ConfigError(f"{key} = {v}: must be >= 1")
+    for key in ("run.threads", "learner.warmup_steps", "learner.weight_decay", "learner.kl_coef",
+                "learner.grad_clip"):
+        section, name = key.split(".")
+        v = getattr(getattr(cfg, section), name)
+        if v < 0:
+            raise ConfigError(f"{key} = {v}: must be >= 0")
+    if cfg.warmstart.lr <= 0:
+        raise ConfigError(f"warmstart.lr = {cfg.warmstart.lr}: must be > 0")
     for key in ("warmstart.noise", "warmstart.guided_share"):
         v = getattr(cfg.warmstart, key.split(".")[1])
         if not 0.0 <= v <= 1.0:
@@ -367,11 +448,25 @@ def validate(cfg: Config) -> None:
                           f"(got {L.eps_low}, {L.eps_high})")
     if L.lr <= 0:
         raise ConfigError(f"learner.lr = {L.lr}: must be > 0")
+    if L.clip_ratio_c != 0 and not L.clip_ratio_c > 1:
+        raise ConfigError(f"learner.clip_ratio_c = {L.clip_ratio_c}: must be > 1 (verl's default is 3), or 0 for no dual clip")
     if not cfg.env.families:
-        raise ConfigError("env.families is empty; name at least one of " + ", ".join(ENVIRONMENTS))
+        raise ConfigError("env.families is empty; name at least one of " + ", ".join([*ENVIRONMENTS, *EXTRAS]))
+    for key in cfg.env.options:
+        if key not in cfg.env.families:
+            raise ConfigError(f"env.options.{key}: '{key}' is not in env.families {cfg.env.families}; "
+                              "options are keyed by the family's entry there")
+    if len(set(cfg.env.families)) != len(cfg.env.families):
+        raise ConfigError(f"env.families = {cfg.env.families}: an entry appears twice")
     for fam in cfg.env.families:
-        if fam not in ENVIRONMENTS:
-            raise ConfigError(f"env.families: unknown environment '{fam}'; valid: {', '.join(ENVIRONMENTS)}")
+        try:
+            cls = check_family(fam, cfg.env.options.get(fam))
+        except ValueError as e:
+            raise ConfigError(f"env.families: {e}") from None
+        if not cfg.model.path and not callable(getattr(cls, "vocabulary", None)):
+            raise ConfigError(f"env.families: '{fam}' has no closed vocabulary for the built-in word-level model; "
+                              "set model.path to a Hugging Face checkpoint with its own tokenizer "
+                              "(a tiny one: experiments/make_tiny_model.py DIR)")
     for key, levels in (("env.levels", cfg.env.levels), ("eval.levels", cfg.eval.levels),
                         ("warmstart.levels", cfg.warmstart.levels)):
         if not levels or any(lv < 1 or lv > 8 for lv in levels):
@@ -395,6 +490,12 @@ def validate(cfg: Config) -> None:
                 Intervention.parse(item, 1)
             except ValueError as e:
                 raise ConfigError(f"{key}: {item!r}: {e}; write how@where, e.g. rubric_hint@violation") from None
+    if c.name == "rail" and c.shadow == "ladder":  # the heuristic it shadows must be among the bandit's actions
+        on_menu = {Intervention.parse(m, 1).key for m in c.menu}
+        off = [r for r in c.ladder if Intervention.parse(r, 1).key not in on_menu]
+        if off:
+            raise ConfigError(f"controller.ladder: {', '.join(off)} not in controller.menu; the learned controller "
+                              f"shadows ladder only over interventions it can choose itself: add them to the menu")
     if not c.how_many or any(k < 1 for k in c.how_many):
         raise ConfigError(f"controller.how_many = {c.how_many}: must be a non-empty list of counts >= 1")
     for key in ("controller.rti_how_many", "controller.ladder_how_many", "controller.probe_rollouts",

@@ -17,7 +17,8 @@ Fixed controllers (the baselines a learned controller must beat):
 - ``ladder`` — minimal intervention: the cheapest operator first, escalating while the group has no success.
 - ``random`` — uniform over the legal interventions of every group (and doing nothing).
 
-The learned controller, ``rail``, wraps ``controller.LearnedController`` (docs/controller.md).
+The learned controller, ``rail``, translates rail's groups, menu and outcomes for ``controller.Session``, the seam any
+trainer drives (docs/controller.md).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class GroupView:
     n_base: int = 0
     zero_variance_base: bool = False  # the base rollouts alone carried no signal
     interventions: list = field(default_factory=list)  # Intervention keys applied this step
+    capacity: float | None = None  # the most its interventions may cost this step (TRL: its free slots); None: no cap
 
     @property
     def base(self) -> list:
@@ -111,6 +113,39 @@ class Menu:
 
     def cost(self, view: GroupView, iv: Intervention) -> int | None:
         return self._cost(view, iv)
+
+
+def make_menu(cfg: Any, envs: dict, runners: dict, tokens_per_rollout: float = 0.0) -> Menu:
+    """The configured menu (``controller.menu`` x ``controller.how_many``) priced by :func:`rail.interventions.plan`
+    for the groups of one step: rail's training loop and the TRL adapter (``rail.integrations.trl``) both use it.
+    ``menu.plan_for(view, iv, probe=False)`` is the plan itself (cached per group, intervention and group size);
+    ``tokens_per_rollout`` prices a fresh base group in a token budget."""
+    from rail import interventions
+
+    c, unit = cfg.controller, cfg.budget.unit
+    items = [Intervention.parse(m, k) for m in c.menu for k in c.how_many]
+    cache: dict = {}
+
+    def plan_for(view: GroupView, iv: Intervention, probe: bool = False):
+        key = (view.group, iv, probe, len(view.trajectories))
+        if key not in cache:
+            cache[key] = interventions.plan(iv, view.group, view.base, view.task, runners[view.family],
+                                            envs[view.family].system_prompt(), unit,
+                                            cfg.rollout.max_tokens_per_turn, probe=probe)
+        return cache[key]
+
+    def legal(view, menu):
+        return interventions.legal(view.base, menu)
+
+    def cost(view, iv):
+        p = plan_for(view, iv)
+        return None if p is None else p.cost
+
+    refill = cfg.budget.group_size if unit == "rollouts" else int(
+        cfg.budget.group_size * (tokens_per_rollout or cfg.max_rollout_tokens / 4))
+    m = Menu(items, legal, cost, refill)
+    m.plan_for = plan_for
+    return m
 
 
 class Controller(Protocol):
@@ -336,10 +371,10 @@ CONTROLLERS: dict[str, type] = {
 
 
 class RailController(_Reserving):
-    """The learned controller (``controller/``), shadowing the ``controller.shadow`` heuristic until off-policy
-    evaluation promotes it (docs/controller.md). Round 0 decides for every base group; with
-    ``controller.escalate``, each later round decides again for the groups its last intervention left without
-    a success (as ``ladder`` climbs a rung), and the shadowed heuristic is ladder's next untried rung."""
+    """The learned controller, shadowing the ``controller.shadow`` heuristic until off-policy evaluation promotes
+    it (docs/controller.md). A translation from rail's groups, menu and outcomes to the trainer-agnostic
+    :class:`controller.Session`, which holds every rule: the context, the menu as bandit actions, the shadowed
+    heuristic (ladder's next untried rung), escalation rounds, the reward, pass rates, traces and state."""
 
     name = "rail"
 
@@ -347,194 +382,125 @@ class RailController(_Reserving):
         super().__init__(config)
         from pathlib import Path
 
-        from controller import LearnedController, Settings
+        from controller import Session, SessionSettings, Settings
 
         c = config.controller
         self.settings = Settings(epsilon=c.epsilon, heuristic_epsilon=c.heuristic_epsilon, lr=c.bandit_lr,
                                  mode=c.start_mode, window=c.window, min_events=c.min_events,
                                  check_every=c.check_every, margin=c.margin, consecutive=c.consecutive)
+        if c.shadow == "rti":  # RTI: one hint, on a group nothing was tried on
+            ladder, size, escalates = [Intervention.parse("rubric_hint@violation", 1).key], c.rti_how_many, False
+        else:
+            ladder, size, escalates = [Intervention.parse(r, 1).key for r in c.ladder], c.ladder_how_many, True
+        session = SessionSettings(
+            bandit=self.settings, ladder=tuple(ladder), ladder_size=size, heuristic_escalates=escalates,
+            escalate=c.escalate, group_size=config.budget.group_size, unit=float(min(c.how_many)),
+            budget_unit=config.budget.unit, headroom=c.headroom,
+            # demonstrations count only when the learner distils them (docs/controller.md, "Reward")
+            absorption=c.absorption if config.learner.guided_sft > 0 else 0.0,
+            compose=c.compose if c.compose != "auto" else self.compose)
         trace_dir = None if out is None else Path(out) / "traces"
-        self.ctl = LearnedController(self.settings, seed=config.run.seed, trace_dir=trace_dir)
-        self.pass_rate: dict[str, float] = {}  # EMA of base success per family/level
-        self.seconds = 0.0
-        self.step = 0
-        self._made: list = []  # (controller decision, rail Decision or None, view, the group's rollouts before it)
-        self.absorbed: list[float] = []  # this step's interventions: what their demonstrations revealed
+        self.session = Session(session, seed=config.run.seed, trace_dir=trace_dir)
+        self.ctl = self.session.ctl
+        self.seconds = 0.0  # the controller's own time: the session's and this translation's
+        self._views: dict[str, GroupView] = {}
+        self._event: dict[int, str] = {}  # id(rail Decision) -> the session's event id
 
     def begin_step(self, step, rng) -> None:
         super().begin_step(step, rng)
-        self.step, self._made, self.absorbed = step, [], []
+        self.session.begin_step(step, self.cfg.run.steps, self.cfg.step_budget())
+        self._views, self._event = {}, {}
 
-    def _context(self, g: GroupView, remaining: int) -> dict:
-        base = g.base
-        rewards = [t.reward for t in base]
-        n = len(rewards)
-        mean = sum(rewards) / n if n else 0.0
-        prog = [t.rubric.progress for t in base if t.rubric is not None]
-        from rail.interventions import source_index
+    def _add(self, groups: Sequence[GroupView], menu: Menu | None) -> None:
+        """Groups the session has not seen, as scored records with their legal, priced options."""
+        from controller import Option, ScoredGroup
 
-        src = source_index(base)
-        calls = [t.tool_calls() for t in base]
-        made = sum(c for c, _ in calls)
-        lps = [lp for t in base for lp, o in zip(t.logprobs, t.origin) if o == 0]
-        return {
-            "family": g.family, "level": str(g.task.level), "family_level": self._cell(g),
-            "successes": float(sum(r >= 1.0 for r in rewards)), "success_rate": mean,
-            "reward_spread": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5 if n else 0.0,
-            "progress_mean": sum(prog) / len(prog) if prog else 0.0, "progress_max": max(prog) if prog else 0.0,
-            "violated_item": "none" if src is None else str(base[src].rubric.first_violated),
-            "violated_turn": 0.0 if src is None else float(base[src].rubric.violated_turn or 0),
-            "tool_failure_rate": (sum(f for _, f in calls) / made) if made else 0.0,
-            "logprob_mean": sum(lps) / len(lps) if lps else 0.0,
-            "pass_rate": self._recent_pass(g),
-            "train_progress": self.step / max(1, self.cfg.run.steps),
-            "budget_left": remaining / max(1, self.cfg.step_budget()),
-            "round": float(self.round), "tried": float(len(g.interventions)),
-            "last_tried": g.interventions[-1] if g.interventions else "none",
-        }
-
-    def _heuristic(self, g: GroupView, menu: Menu) -> Intervention | None:
-        """The shadowed heuristic's choice for a group without a success: ``ladder``'s first legal rung not yet
-        tried on it this step, or ``rti``'s hint (first round only); otherwise nothing."""
-        c = self.cfg.controller
-        if g.successes > 0:
-            return None
-        if c.shadow == "rti":
-            cands = [] if g.interventions else [Intervention("rubric_hint", "violation", c.rti_how_many)]
-        else:
-            cands = [Intervention.parse(r, c.ladder_how_many) for r in c.ladder]
-            cands = [iv for iv in cands if iv.key not in g.interventions]
-        return next((iv for iv in cands if menu.cost(g, iv) is not None), None)
+        new = []
+        for g in groups:
+            gid = f"g{g.group}"
+            if gid in self._views:
+                continue
+            self._views[gid] = g
+            options = []
+            if menu is not None and g.n_base:
+                for iv in menu.legal(g):
+                    c = menu.cost(g, iv)
+                    options.append(Option(iv.name, iv.key, iv.how_many, c, iv.features(), ref=iv))
+            new.append(ScoredGroup(gid, g.family, g.task.level, [_record(t, menu is not None) for t in g.base],
+                                   options, capacity=g.capacity))
+        self.session.add(new)
 
     def _decide(self, groups, remaining, unit, menu):
         import time
 
-        from controller import Action, Group
-
-        if self.round and not self.cfg.controller.escalate:
-            return []
         t0 = time.perf_counter()
-        requests, views, by_name = [], [], []
-        for g in groups:
-            # round r asks every group whose decisions of rounds 0 .. r-1 all intervened and ran (one applied
-            # intervention per round) and, after round 0, that still has no success
-            if g.n_base == 0 or len(g.interventions) != self.round or (self.round and g.successes > 0):
-                continue
-            costs = {iv: menu.cost(g, iv) for iv in menu.legal(g)}
-            options = {iv.name: iv for iv in costs}
-            step_budget = max(1, self.cfg.step_budget())
-            acts = [Action(iv.name, {**iv.features(), "cost_share": c / step_budget}, float(c)) for iv, c in costs.items()]
-            h = self._heuristic(g, menu)
-            requests.append(Group(f"g{g.group}", self._context(g, remaining), acts,
-                                  heuristic=h.name if h is not None and h.name in options else None))
-            views.append(g)
-            by_name.append(options)
-        made = self.ctl.decide(requests, remaining, tag=f"s{self.step}-")
+        if self.round == 0:
+            self._add(groups, menu)
+        choices = self.session.decide(remaining)
         out = []
-        for d, g, options in zip(made, views, by_name):
-            rd = None if not d.intervenes else Decision(g.group, options[d.action.name], propensity=d.propensity,
-                                                        info={"event": d.id, "mode": d.mode})
-            self._made.append((d, rd, g, list(g.trajectories)))
-            if rd is not None:
-                out.append(rd)
+        for ch in choices:
+            if ch.intervenes:
+                d = Decision(self._views[ch.group].group, ch.option.ref, propensity=ch.propensity,
+                             info={"event": ch.id, "mode": ch.mode})
+                self._event[id(d)] = ch.id
+                out.append(d)
         self.seconds += time.perf_counter() - t0
         return out
 
-    def feedback(self, groups, outcomes, compose: str) -> None:
-        """Rewards for this step's decisions, once the learner has said which rollouts it accepted."""
+    def observe(self, outcomes) -> None:
+        """A round's interventions that ran: their scored rollouts reach the session (escalation reads them)."""
         import time
 
-        import controller.reward as R
-
         t0 = time.perf_counter()
-        g_size = self.cfg.budget.group_size
-        unit_rollouts = float(min(self.cfg.controller.how_many))
-        per_rollout = 1.0 if self.cfg.budget.unit == "rollouts" else max(1.0, self._tokens_per_rollout(groups))
-        unit = unit_rollouts * per_rollout
-        base = [g for g in groups if g.n_base]
-        weighted = self.cfg.controller.headroom
-        opp = R.opportunity([[t.reward for t in g.base] for g in base], g_size * per_rollout, unit,
-                            [self._headroom(g) for g in base] if weighted else None)
-        # demonstrations count only when the learner distils them (docs/controller.md, "Reward")
-        weight = self.cfg.controller.absorption if self.cfg.learner.guided_sft > 0 else 0.0
-        ran = {id(o.decision): o for o in outcomes if o.ran}
-        for d, rd, g, earlier in self._made:
-            if rd is None:
-                self.ctl.feedback(d.id, opp, {"opportunity": opp})
-                continue
-            o = ran.get(id(rd))
-            if o is None:
-                self.ctl.abandon(d.id)
-                continue
-            kept = [t for t in o.trajectories if _accepted(t)]
-            accepted = [t.reward for t in kept]
-            shifts = [t.shift if t.context_shifted else None for t in kept]
-            n_run = sum(t.status != "probe" for t in o.trajectories)
-            before = [t.reward for t in earlier if _accepted(t)]
-            h = self._headroom(g)  # logged either way; it weights the reward with controller.headroom
-            r = R.reward(before, accepted, max(o.cost, 1), unit, compose, shifts=shifts, ran=n_run, weight=weight,
-                         headroom=h if weighted else 1.0)
-            absorbed = R.absorbed(before, accepted, shifts, n_run, compose) if weight > 0 else 0.0
-            self.absorbed.append(absorbed)
-            self.ctl.feedback(d.id, r, {"cost": o.cost, "rollouts": len(o.trajectories), "accepted": len(accepted),
-                                        "successes": sum(x >= 1.0 for x in accepted),
-                                        "absorbed": round(absorbed, 6), "headroom": round(h, 6)})
-        for g in groups:  # drift made visible: the recent pass rate per family/level
-            if g.n_base:
-                key, rate = self._cell(g), self._base_pass(g)
-                self.pass_rate[key] = 0.9 * self.pass_rate.get(key, rate) + 0.1 * rate
-        self._made = []
+        for o in outcomes:
+            eid = self._event.get(id(o.decision))
+            if eid is not None and o.ran:
+                self.session.ran(eid, [_record(t, False) for t in o.trajectories], o.cost)
         self.seconds += time.perf_counter() - t0
 
-    @staticmethod
-    def _cell(g: GroupView) -> str:
-        """The key of the group's kind of task in the recent pass rates: its family/level."""
-        return f"{g.family}/{g.task.level}"
+    def feedback(self, groups, outcomes, compose: str) -> None:
+        """Rewards for this step's decisions, once the learner has said which rollouts it accepted (``compose``
+        is the session's, resolved from the same config)."""
+        import time
 
-    @staticmethod
-    def _base_pass(g: GroupView) -> float:
-        return sum(t.reward >= 1.0 for t in g.base) / g.n_base
-
-    def _recent_pass(self, g: GroupView) -> float:
-        """The recent unguided pass rate of the group's family/level (before this step's update); a family/level
-        seen for the first time uses the group's own base rollouts. Its context's ``pass_rate``."""
-        return self.pass_rate.get(self._cell(g), self._base_pass(g))
-
-    def _headroom(self, g: GroupView) -> float:
-        """1 - the recent pass rate its context saw."""
-        return min(1.0, max(0.0, 1.0 - self._recent_pass(g)))
-
-    @staticmethod
-    def _tokens_per_rollout(groups) -> float:
-        gen = [t.n_generated for g in groups for t in g.base]
-        return sum(gen) / len(gen) if gen else 1.0
+        t0 = time.perf_counter()
+        self._add(groups, None)  # fresh groups bought with what the rounds left: the opportunity, pass rates
+        accepted, shifts = {}, {}
+        for o in outcomes:
+            eid = self._event.get(id(o.decision))
+            if eid is not None:
+                accepted[eid] = [_accepted(t) for t in o.trajectories]
+                shifts[eid] = [t.shift if t.context_shifted else None for t in o.trajectories]
+        self.session.end_step(accepted, shifts)
+        self._views, self._event = {}, {}
+        self.seconds += time.perf_counter() - t0
 
     def metrics(self) -> dict[str, float]:
-        ev = self.ctl.last_gate or {}
-        m = {"controller/live": 1.0 if self.ctl.mode == "live" else 0.0,
-             "controller/events": float(self.ctl.learned),
-             "controller/transitions": float(len(self.ctl.transitions)),
-             "controller/seconds": self.seconds}
-        if self.absorbed:
-            m["controller/absorbed"] = sum(self.absorbed) / len(self.absorbed)
-        for k in ("diff", "diff_lower", "diff_upper", "bandit_dr", "heuristic_dr", "logged"):
-            if k in ev:
-                m[f"controller/{k}"] = float(ev[k])
-        return m
+        return {**self.session.metrics(), "controller/seconds": self.seconds}
 
     def summary(self) -> dict:
-        return {"mode": self.ctl.mode, "events": self.ctl.learned, "transitions": self.ctl.transitions,
-                "last_gate": self.ctl.last_gate, "seconds": round(self.seconds, 3),
-                "trace": str(self.ctl.trace_path) if self.ctl.trace_path else None}
+        return {**self.session.summary(), "seconds": round(self.seconds, 3)}
 
     def state_dict(self) -> dict:
-        return {"learned": self.ctl.state_dict(), "pass_rate": self.pass_rate, "seconds": self.seconds}
+        return {**self.session.state_dict(), "seconds": self.seconds}
 
     def load_state_dict(self, state: dict) -> None:
         if state:
-            self.ctl.load_state_dict(state["learned"])
-            self.pass_rate = dict(state.get("pass_rate", {}))
+            self.session.load_state_dict(state)
             self.seconds = float(state.get("seconds", 0.0))
+
+
+def _record(t, logprobs: bool):
+    """A rollout as the controller's seam records it (rail's success: reward 1). Only the context of a group
+    decided for reads behaviour log-probs."""
+    from controller import Rollout
+
+    rb = t.rubric
+    calls, failed = t.tool_calls()
+    lps = [lp for lp, o in zip(t.logprobs, t.origin) if o == 0] if logprobs else ()
+    return Rollout(t.reward, t.reward >= 1.0, None if rb is None else rb.progress,
+                   None if rb is None else rb.first_violated, None if rb is None else rb.violated_turn,
+                   calls, failed, lps, t.n_generated)
 
 
 CONTROLLERS["rail"] = RailController

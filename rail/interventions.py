@@ -7,7 +7,8 @@ each comes from):
 - ``resample`` — branch fresh rollouts from a prefix of a failed trajectory, nothing added (tree rollouts);
 - ``rubric_hint`` — at the branch point, a user message with the evidence of the first violated rubric item
   (RTI-style); the policy continues;
-- ``action_guide`` — a plan in the prompt listing the first ``plan_len`` reference actions (ActGuide-style);
+- ``action_guide`` — a plan in the prompt listing the first ``plan_len`` reference actions (ActGuide-style; by
+  default those up to the violated item);
 - ``guided_step`` — the reference action for the violated item written as the policy's own turn, executed by
   the environment; the policy continues.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from controller import Rollout, branch_source
 from policy.engine import RolloutRequest
 from policy.records import Guidance, Trajectory
 
@@ -93,12 +95,11 @@ class Plan:
 
 
 def source_index(trajs: Sequence[Trajectory]) -> int | None:
-    """The failed trajectory to branch from: most rubric progress, then latest violation, then lowest index."""
-    failed = [i for i, t in enumerate(trajs) if t.reward < 1.0 and t.rubric is not None
-              and t.rubric.first_violated is not None]
-    if not failed:
-        return None
-    return max(failed, key=lambda i: (trajs[i].rubric.progress, trajs[i].rubric.violated_turn or 0, -i))
+    """The failed trajectory to branch from: most rubric progress, then latest violation, then lowest index
+    (``controller.branch_source``, the rule whose first violated item the controller's context reports)."""
+    return branch_source([Rollout(t.reward, t.reward >= 1.0) if t.rubric is None else
+                          Rollout(t.reward, t.reward >= 1.0, t.rubric.progress, t.rubric.first_violated,
+                                  t.rubric.violated_turn) for t in trajs])
 
 
 def branch_turn(traj: Trajectory, where: str) -> int | None:
@@ -121,9 +122,25 @@ def branch_turn(traj: Trajectory, where: str) -> int | None:
     return t
 
 
-def hint_text(task: Any, item: int) -> str:
-    """The RTI-style hint: the evidence of rubric item ``item``."""
-    return task.rubric[item].evidence
+def hint_text(task: Any, item: int, inline: Callable[[Any], str] | None = None) -> str:
+    """The RTI-style hint: the evidence of rubric item ``item``, then the calls that reach it (if the item lists
+    any), each written by ``inline`` (the tool runner's: the model's tool-call format)."""
+    it = task.rubric[item]
+    calls = getattr(it, "calls", ())
+    if not calls:
+        return it.evidence
+    return f"{it.evidence} " + " ; ".join((inline or _render)(a) for a in calls)
+
+
+def guide_end(task: Any, item: int) -> int:
+    """How many action-guide actions reach rubric item ``item`` (one per item unless the item says otherwise,
+    e.g. ``bfcl``'s user turns, each several calls and a reply)."""
+    return getattr(task.rubric[item], "guide_end", 0) or item + 1
+
+
+def guide_start(task: Any, item: int) -> int:
+    """The action-guide index (the turn of a reference trajectory) at which the actions for ``item`` begin."""
+    return guide_end(task, item - 1) if item > 0 else 0
 
 
 def plan_text(task: Any, plan_len: int, inline: Callable[[Any], str] | None = None) -> str:
@@ -179,9 +196,9 @@ def plan(intervention: Intervention, group_index: int, group: Sequence[Trajector
     item = tr.rubric.first_violated
     guidance = None
     if iv.how == "rubric_hint":
-        guidance = Guidance(hint=hint_text(task, item))
+        guidance = Guidance(hint=hint_text(task, item, env.inline))
     elif iv.how == "action_guide":
-        m = iv.plan_len or item + 1
+        m = iv.plan_len or guide_end(task, item)
         guidance = Guidance(plan=plan_text(task, min(m, len(task.action_guide)), env.inline))
     elif iv.how == "guided_step":
         guidance = Guidance(inject=env.render(task.rubric[item].action))

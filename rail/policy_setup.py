@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from policy.learner import sft_loss
-from policy.model import build_tiny_model, load_policy, save_policy
+from policy.model import build_tiny_model, load_policy, resolve_device, save_policy
 from policy.records import Origin, Trajectory
 from policy.tokenizer import ChatRenderer, build_word_tokenizer
 from rail.config import Config
@@ -35,6 +35,16 @@ def vocabulary(envs: dict[str, Environment]) -> list[str]:
     for env in envs.values():
         words.update(env.vocabulary())
     return sorted(words)
+
+
+def demonstration_task(env: Environment, rng: np.random.Generator, levels, guided: bool):
+    """The environment's task for a warm-start demonstration of ``levels``; a training task by default (the
+    protocol makes ``demonstration_task`` optional)."""
+    own = getattr(env, "demonstration_task", None)
+    if own is not None:
+        return own(rng, levels, guided)
+    (task,) = env.sample_tasks(rng, levels, 1)
+    return task
 
 
 def demonstration(task, rng: np.random.Generator, noise: float, alternatives: dict[str, list[str]]) -> list[Action]:
@@ -65,13 +75,14 @@ def reference_trajectory(env: Environment, task, renderer: ChatRenderer, group: 
                          hint: tuple[int, str] | None = None, tool_format: str = "builtin") -> Trajectory:
     """``actions`` (default: the action guide) executed turn by turn, tokenised as if the policy wrote them.
 
-    After a call whose result differs from the guide's, later calls chain from the actual result (their
-    first argument) and the answer is the last result, so a perturbed demonstration stays consistent.
+    When ``actions`` differ from the guide (a perturbed demonstration), later calls chain from the actual result
+    (their first argument) and the answer is the last result, so the demonstration stays consistent.
     ``plan`` is appended to the user message and ``hint = (turn, text)`` is a user message before that turn,
     both kept as (untrained) context: a demonstration of following guidance. Calls are written in
-    ``tool_format`` and the prompt lists the environment's tools, as the engine renders them.
+    ``tool_format`` and the prompt lists the task's tools, as the engine renders them; a turn the environment
+    answers with its next user message is followed by that message.
     """
-    runner = ToolRunner(env, tool_format)
+    runner = ToolRunner(env, tool_format).begin(task)
     user = task.prompt if plan is None else f"{task.prompt} {plan}"
     if hint is not None and hint[0] == 0:
         prompt, _ = renderer.prompt_with_hint(env.system_prompt(), user, hint[1], runner.tools)
@@ -79,9 +90,10 @@ def reference_trajectory(env: Environment, task, renderer: ChatRenderer, group: 
         prompt = renderer.prompt(env.system_prompt(), user, runner.tools)
     tr = Trajectory(task.id, task.family, task.level, group, prompt, list(prompt))
     guide = list(task.action_guide if actions is None else actions)
+    perturbed = actions is not None and guide != list(task.action_guide)
     last_obs = None
     for t, action in enumerate(guide):
-        if actions is not None and last_obs is not None:
+        if perturbed and last_obs is not None:
             if action.tool == "answer":
                 action = Action("answer", (last_obs,))
             elif action.args:
@@ -97,9 +109,9 @@ def reference_trajectory(env: Environment, task, renderer: ChatRenderer, group: 
             tr.done = True
             break
         if hint is not None and hint[0] == t + 1:
-            suffix = renderer.tool_suffix_with_hint(step.observation, hint[1])[0]
+            suffix = renderer.tool_suffix_with_hint(step.observation, hint[1], step.user)[0]
         else:
-            suffix = renderer.tool_suffix(step.observation)
+            suffix = renderer.tool_suffix(step.observation, step.user)
         for tok in suffix:
             tr.ids.append(tok), tr.origin.append(Origin.TOOL), tr.logprobs.append(0.0), tr.turn.append(t)
     tr.reward = env.reward(task, tr.steps)
@@ -115,16 +127,17 @@ def guided_demonstration(env: Environment, task, renderer: ChatRenderer, rng: np
     pretrained instruct model reads hints without this. A task of level 0 (``kin``'s nonce names, whose
     knowledge only the guidance gives) gets complete guidance: every call in the plan, the hint before the
     first turn, so no demonstration shows a guess."""
-    from rail.interventions import hint_text, plan_text
+    from rail.interventions import guide_start, hint_text, plan_text
 
     n = len(task.action_guide)
     complete = task.level == 0
+    inline = ToolRunner(env, tool_format).inline
     if rng.random() < 0.5:
-        inline = ToolRunner(env, tool_format).inline
         return reference_trajectory(env, task, renderer, tool_format=tool_format,
                                     plan=plan_text(task, n if complete else int(rng.integers(1, n + 1)), inline))
-    k = 0 if complete else int(rng.integers(n))
-    return reference_trajectory(env, task, renderer, hint=(k, hint_text(task, k)), tool_format=tool_format)
+    k = 0 if complete else int(rng.integers(len(task.rubric)))
+    return reference_trajectory(env, task, renderer, hint=(guide_start(task, k), hint_text(task, k, inline)),
+                                tool_format=tool_format)
 
 
 def _cache_key(cfg: Config, base: str) -> str:
@@ -133,6 +146,8 @@ def _cache_key(cfg: Config, base: str) -> str:
     ws = {k: v for k, v in cfg.to_dict()["warmstart"].items() if k != "cache_dir"}
     key = {"v": CACHE_VERSION, "model": cfg.to_dict()["model"], "warmstart": ws, "families": cfg.env.families,
            "env_seed": cfg.env.seed, "seed": cfg.run.seed, "vocab": base}
+    if cfg.env.options:  # (keys without options predate the field)
+        key["env_options"] = cfg.env.options
     if cfg.rollout.tool_format != "builtin":  # (the built-in format's keys predate the field)
         key["tool_format"] = cfg.rollout.tool_format
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -185,7 +200,7 @@ def demonstration_batches(renderer: ChatRenderer, envs: dict[str, Environment], 
         for k in range(ws.batch_size):
             env = envs[names[k % len(names)]]
             guided = rng.random() < ws.guided_share
-            task = env.demonstration_task(rng, (ws.guided_levels or ws.levels) if guided else ws.levels, guided)
+            task = demonstration_task(env, rng, (ws.guided_levels or ws.levels) if guided else ws.levels, guided)
             if guided:
                 tr = guided_demonstration(env, task, renderer, rng, fmt)
             else:
@@ -218,7 +233,7 @@ class RehearsalSource:
         for _ in range(n):
             env = self.envs[self.names[self.k % len(self.names)]]
             self.k += 1
-            task = env.demonstration_task(self.rng, self.levels, True)
+            task = demonstration_task(env, self.rng, self.levels, True)
             out.append(guided_demonstration(env, task, self.renderer, self.rng, self.fmt))
         return out
 
@@ -247,11 +262,12 @@ def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg:
 def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
     """(model, tokenizer, info): the built-in model or the checkpoint at ``model.path``, warm-started (SFT on
     reference trajectories in the model's own chat template and tool-call format) unless
-    ``warmstart.enabled`` is false, and cached under ``warmstart.cache_dir``."""
+    ``warmstart.enabled`` is false, and cached under ``warmstart.cache_dir``; on ``run.device``."""
+    device = resolve_device(cfg.run.device)
     if cfg.model.path:
         model, tok = load_policy(cfg.model.path)
         if not cfg.warmstart.enabled:
-            return model, tok, {"source": cfg.model.path, "warmstart": "disabled"}
+            return model.to(device), tok, {"source": cfg.model.path, "warmstart": "disabled"}
         source = cfg.model.path
     else:
         model = tok = None
@@ -260,7 +276,7 @@ def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
     if cfg.warmstart.enabled and (cache / "config.json").is_file():
         try:
             model, tok = load_policy(cache)
-            return model, tok, {"source": source, "warmstart": f"cached ({cache})"}
+            return model.to(device), tok, {"source": source, "warmstart": f"cached ({cache})"}
         except (ValueError, OSError) as e:
             log.warning("warm-start cache %s unreadable (%s); rebuilding it", cache, e)
             if cfg.model.path:
@@ -272,6 +288,7 @@ def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
                                  kv_heads=m.kv_heads, intermediate_size=m.intermediate_size,
                                  max_positions=m.max_positions, seed=cfg.run.seed,
                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    model.to(device)  # built or loaded on the CPU (the same weights wherever it trains)
     info = {"source": source, "warmstart": "disabled"}
     if cfg.warmstart.enabled:
         losses = warm_start(model, ChatRenderer(tok), envs, cfg, progress)

@@ -41,9 +41,11 @@ def format_summary(s: dict, out: Path) -> str:
         "held-out unguided success, start -> end:",
         format_eval(e["final"], e["initial"]),
         "",
+        *_overall(e),
         f"easy levels {e['easy_levels']}: {e['easy_initial']:.3f} -> {e['easy_final']:.3f}   "
         f"beyond {e['beyond_levels']}: {e['beyond_initial']:.3f} -> {e['beyond_final']:.3f}",
         *_tool_calls(s.get("tool_calls")),
+        *_errors(s.get("errors"), s.get("tracking")),
         *_interventions(s.get("interventions")),
         *_controller(s.get("controller_state")),
         "boundary (levels unsolved at the start): "
@@ -54,11 +56,35 @@ def format_summary(s: dict, out: Path) -> str:
     return "\n".join(lines)
 
 
+def _overall(e: dict) -> list[str]:
+    """Each row's success over all its held-out tasks, for rows whose cells hold different numbers of tasks (a
+    finite pool, e.g. bfcl's categories), where the table's cells alone do not give it."""
+    counts, fin = e.get("tasks") or {}, e.get("overall_final") or {}
+    rows = [r for r in sorted(fin) if len(set(counts.get(r, {}).values())) > 1]
+    if not rows:
+        return []
+    ini = e.get("overall_initial") or {}
+    return ["all levels: " + ", ".join(f"{r} {ini.get(r, float('nan')):.2f}->{fin[r]:.2f} "
+                                       f"({sum(counts[r].values())} tasks)" for r in rows)]
+
+
 def _tool_calls(tc: dict | None) -> list[str]:
     if not tc:
         return []
     return [f"tool calls: {tc.get('calls', 0)} executed in training rollouts, {tc.get('failed', 0)} failed "
             f"({tc.get('malformed', 0)} malformed: not a call of a listed tool in the model's tool format)"]
+
+
+def _errors(errors: dict | None, tracking: dict | None) -> list[str]:
+    """What went wrong without stopping the run: broken verdicts, failing tools, tracking switched off."""
+    out = []
+    if errors and (errors.get("reward") or errors.get("tool")):
+        out.append(f"errors: {errors.get('reward', 0)} trajectories got reward 0 because the verifier failed, "
+                   f"{errors.get('tool', 0)} tool calls failed inside the tool (errors/reward, errors/tool)")
+    if tracking and tracking.get("status") == "failed":
+        out.append(f"tracking FAILED: MLflow at {tracking['uri']} was switched off ({tracking['error']}); "
+                   "metrics.jsonl and summary.json hold everything")
+    return out
 
 
 def _interventions(iv: dict | None) -> list[str]:
@@ -80,3 +106,9 @@ def _controller(c: dict | None) -> list[str]:
                       f"bound [{t['diff_lower']:+.3f}, {t['diff_upper']:+.3f}])" for t in c["transitions"]) or "none"
     return [f"learned controller: {c['events']} decisions, final mode {c['mode']}; transitions: {moves}",
             f"  trace: {c['trace']}  (rail traces evaluate {c['trace']})"]
+
+
+def format_interventions(interventions: dict | None, controller_state: dict | None) -> str:
+    """The interventions table and the learned controller's line, as ``rail train`` prints them (the TRL adapter's
+    summary too)."""
+    return "\n".join([*_interventions(interventions), *_controller(controller_state)])

@@ -1,7 +1,10 @@
 """Experiment tracking behind one small interface: MLflow, a JSONL file, or nothing.
 
 A tracking failure never stops training: the MLflow tracker logs one warning, then turns itself off and the
-run goes on (``metrics.jsonl`` is always written by the file tracker).
+run goes on (``metrics.jsonl`` is always written by the file tracker), and the run's summary says so. It costs
+seconds, not minutes: MLflow's own HTTP retries (7, with exponential backoff: about four minutes against a
+server that is down) are turned off and a request times out after 10 s, unless the environment sets
+``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``MLFLOW_HTTP_REQUEST_TIMEOUT`` itself.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ class JsonlTracker(NullTracker):
     def __init__(self, path: Path, resume_step: int | None = None):
         self.path = path
         if resume_step is not None and path.exists():
-            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and _step_of(ln) <= resume_step]
+            text = path.read_bytes().decode("utf-8", "replace")  # a damaged line is dropped, not a crash
+            keep = [ln for ln in text.splitlines() if ln.strip() and _step_of(ln) <= resume_step]
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text("".join(ln + "\n" for ln in keep))
             os.replace(tmp, path)
@@ -79,12 +83,21 @@ def mlflow_metric_name(name: str) -> str:
     return re.sub(r"[^\w\-. :/]", lambda m: ":" if m.group() == "@" else "_", name)
 
 
+#: MLflow's HTTP client settings in every rail process that tracks (the environment's own values win); set on
+#: import, before any MLflow request (`rail ablate`'s parent run looks its run up before it makes a tracker)
+HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+for _k, _v in HTTP_SETTINGS.items():
+    os.environ.setdefault(_k, _v)
+
+
 class MlflowTracker(NullTracker):
-    """MLflow run; every call is guarded, and the first failure disables the tracker with one warning."""
+    """MLflow run; every call is guarded, and the first failure disables the tracker with one warning
+    (``error`` then says what failed)."""
 
     def __init__(self, uri: str, experiment: str, run_name: str, run_id: str | None = None,
                  parent_run_id: str | None = None):
         self.ok = True
+        self.error: str | None = None
         self.run_id = None
         self.client = None
         try:
@@ -108,7 +121,8 @@ class MlflowTracker(NullTracker):
 
     def _fail(self, e: Exception) -> None:
         if self.ok:
-            warnings.warn(f"MLflow tracking disabled after an error ({type(e).__name__}: {e}); "
+            self.error = f"{type(e).__name__}: {str(e)[:300]}"
+            warnings.warn(f"MLflow tracking disabled after an error ({self.error}); "
                           "training continues, metrics.jsonl is still written", stacklevel=3)
         self.ok = False
 

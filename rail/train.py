@@ -19,30 +19,31 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from policy.checkpoint import latest_checkpoint, load_optimizer_state, save_checkpoint, verify_checkpoint
+from controller.traces import TraceError
+from policy.checkpoint import (CheckpointError, find_checkpoint, load_optimizer_state, remove_stale_temps,
+                               save_checkpoint, verify_checkpoint)
 from policy.fileio import write_text_atomic
 from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
 from policy.learner import GRPOLearner, LearnerSettings
-from policy.model import count_parameters, load_policy
+from policy.model import count_parameters, load_policy, resolve_device
 from policy.tokenizer import ChatRenderer
 from rail.budget import BudgetLedger, cost_of
-from rail.config import Config, merge, validate
-from rail import interventions
-from rail.controllers import CONTROLLERS, GroupView, Menu, Outcome
-from rail.interventions import Intervention
-from rail.envs import ToolRunner, make_env, rubric_status
-from rail.evaluate import eval_metrics, evaluate, mean_over
+from rail.config import Config, merge, read_json, validate
+from rail.controllers import CONTROLLERS, GroupView, Menu, Outcome, make_menu
+from rail.envs import ToolRunner, make_envs, rubric_status, safe_reward
+from rail.evaluate import eval_metrics, evaluate, mean_over, overall, task_counts
 from rail.policy_setup import RehearsalSource, make_policy
+from rail.rundir import PARTIAL, RunError, RunLock, clear_partial, has_checkpoint, is_run_config, make_out
 from rail.tracking import JsonlTracker, MlflowTracker, MultiTracker, NullTracker
 
 log = logging.getLogger("rail")
@@ -54,6 +55,7 @@ def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
     L = cfg.learner
     s = LearnerSettings(lr=L.lr, schedule=L.schedule, warmup_steps=L.warmup_steps, weight_decay=L.weight_decay,
                         epochs=L.epochs, minibatch_size=L.minibatch_size, eps_low=L.eps_low, eps_high=L.eps_high,
+                        clip_ratio_c=L.clip_ratio_c,
                         loss_agg=L.loss_agg, adv_scale=L.adv_scale, kl_coef=L.kl_coef, grad_clip=L.grad_clip,
                         drop_zero_variance=L.drop_zero_variance, mask_all_tools_failed=L.mask_all_tools_failed,
                         entropy_coef=L.entropy_coef, shift_threshold=L.shift_threshold,
@@ -65,11 +67,11 @@ def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
     return dataclasses.replace(s, **overrides)
 
 
-def _transformers_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path):
+def _transformers_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path | None):
     return TransformersEngine(model, renderer, batch_size=cfg.rollout.batch_size)
 
 
-def _vllm_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path):
+def _vllm_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path | None):
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -83,11 +85,12 @@ def _vllm_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path):
                       seed=cfg.run.seed, workdir=workdir)
 
 
-#: rollout.engine -> a factory (config, model, renderer, a directory the engine may write) -> RolloutEngine
+#: rollout.engine -> a factory (config, model, renderer, a directory the engine may write in, or None for the
+#: system's temporary directory) -> RolloutEngine
 ENGINES = {"transformers": _transformers_engine, "vllm": _vllm_engine}
 
 
-def make_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path):
+def make_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path | None):
     """The rollout engine ``rollout.engine`` names, over ``model``."""
     return ENGINES[cfg.rollout.engine](cfg, model, renderer, workdir)
 
@@ -98,12 +101,115 @@ def close_engine(engine) -> None:
         close()
 
 
-class RunError(RuntimeError):
-    """A run that cannot start or continue; the message says why and what to do."""
+def _malformed(step) -> bool:
+    """A turn that was not a call of a listed tool in the model's tool format, unless the environment took it as
+    the end of the reply to a user message (``bfcl``: a turn without a call ends the user turn)."""
+    return step.action is None and not (step.ok and (step.done or step.user is not None))
 
 
 def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
+
+
+def score(trajs, tasks, envs, on_error=None) -> None:
+    """Set each trajectory's verifier reward and rubric status; ``tasks[tr.group]`` is its (family, task). A
+    verifier that raises or returns a non-finite or out-of-range value gives reward 0 and calls
+    ``on_error(family, task, why)``. rail's training loop and the TRL and verl adapters score with it."""
+    for tr in trajs:
+        fam, task = tasks[tr.group]
+        env = envs[fam]
+        tr.reward, why = safe_reward(env, task, tr.steps)
+        if why is not None and on_error is not None:
+            on_error(fam, task, why)
+        tr.rubric = rubric_status(env, task, tr.steps)
+
+
+def intervention_metrics(groups: list, outcomes: list, budget_share: float, per_key: dict,
+                         totals: dict) -> dict[str, float]:
+    """A step's ``intervention/*`` metrics: per operator and placement (how@where) the decisions, rollouts,
+    successes, shift-filter acceptance and the groups each turned from zero-variance to informative, from the
+    step's group views and the outcomes of the decisions that ran (rollout ``status`` set by the learner's
+    filters: ``trained`` ones carry signal). ``per_key`` (how@where -> ``STAT_KEYS`` totals) and ``totals`` (group
+    counts) are the run's accumulators, updated in place for :func:`intervention_summary`. rail's training loop
+    and the TRL adapter report through it."""
+    per: dict[str, dict[str, float]] = {}
+    trained = {gv.group for gv in groups if any(t.status == "trained" for t in gv.trajectories)}
+    for o in outcomes:
+        if o.decision.refill:
+            continue
+        key = o.decision.intervention.key
+        d = per.setdefault(key, dict.fromkeys(STAT_KEYS, 0.0))
+        d["decisions"] += 1
+        d["rollouts"] += len(o.trajectories)
+        d["cost"] += o.cost
+        d["successes"] += o.successes
+        d["probes"] += len(o.trajectories) if o.decision.probe else 0
+        d["rejected"] += sum(t.status == "shift_rejected" for t in o.trajectories)
+        d["accepted"] += sum(t.status not in ("shift_rejected", "probe") for t in o.trajectories)
+    # a rescue is credited to the interventions whose accepted rollouts broke the tie of a zero-variance group
+    for o in outcomes:
+        gv = groups[o.decision.group] if not o.decision.refill else None
+        if gv is None or not gv.zero_variance_base or gv.group not in trained or not gv.base:
+            continue
+        tie = gv.base[0].reward
+        if any(t.status == "trained" and abs(t.reward - tie) > 1e-3 for t in o.trajectories):
+            per[o.decision.intervention.key]["rescued"] += 1
+    intervened_zero = sum(1 for gv in groups if gv.interventions and gv.zero_variance_base)
+    rescued = sum(1 for gv in groups if gv.interventions and gv.zero_variance_base and gv.group in trained)
+    for key, d in per.items():
+        acc = per_key.setdefault(key, dict.fromkeys(STAT_KEYS, 0.0))
+        for k, v in d.items():
+            acc[k] += v
+    for k, v in (("intervened_zero_variance_groups", intervened_zero), ("rescued_groups", rescued),
+                 ("zero_variance_groups", sum(gv.zero_variance_base for gv in groups if gv.n_base))):
+        totals[k] = totals.get(k, 0.0) + v
+    m: dict[str, float] = {}
+    for key, d in per.items():
+        m[f"intervention/{key}/decisions"] = d["decisions"]
+        m[f"intervention/{key}/rollouts"] = d["rollouts"]
+        m[f"intervention/{key}/success_rate"] = d["successes"] / d["rollouts"] if d["rollouts"] else 0.0
+        measured = d["accepted"] + d["rejected"]
+        m[f"intervention/{key}/accepted_share"] = d["accepted"] / measured if measured else 0.0
+        m[f"intervention/{key}/rescued_groups"] = d["rescued"]
+    n_roll = sum(d["rollouts"] for d in per.values())
+    n_acc = sum(d["accepted"] for d in per.values())
+    n_rej = sum(d["rejected"] for d in per.values())
+    m.update({
+        "intervention/decisions": float(sum(d["decisions"] for d in per.values())),
+        "intervention/rollouts": float(n_roll),
+        "intervention/success_rate": sum(d["successes"] for d in per.values()) / n_roll if n_roll else 0.0,
+        "intervention/accepted_share": n_acc / (n_acc + n_rej) if n_acc + n_rej else 0.0,
+        "intervention/rescued_groups": float(rescued),
+        "intervention/rescue_rate": rescued / intervened_zero if intervened_zero else 0.0,
+        "intervention/budget_share": budget_share,
+    })
+    return m
+
+
+def intervention_summary(per_key: dict, totals: dict, spent_base: float, spent_intervention: float) -> dict:
+    """The run's interventions for ``summary.json`` and the end-of-run table, from the accumulators that
+    :func:`intervention_metrics` fills and what the run spent on base and intervention rollouts."""
+    by = {k: {n: int(v) for n, v in d.items()} for k, d in sorted(per_key.items())}
+    acc = sum(d["accepted"] for d in per_key.values())
+    rej = sum(d["rejected"] for d in per_key.values())
+    rolls = sum(d["rollouts"] for d in per_key.values())
+    succ = sum(d["successes"] for d in per_key.values())
+    for d in by.values():
+        measured = d["accepted"] + d["rejected"]
+        d["success_rate"] = round(d["successes"] / d["rollouts"], 4) if d["rollouts"] else 0.0
+        d["accepted_share"] = round(d["accepted"] / measured, 4) if measured else 0.0
+    total = spent_base + spent_intervention
+    return {
+        "budget_share": spent_intervention / total if total else 0.0,
+        "rollouts": int(rolls),
+        "success_rate": succ / rolls if rolls else 0.0,
+        "acceptance_rate": acc / (acc + rej) if acc + rej else 0.0,
+        "rescued_groups": int(totals.get("rescued_groups", 0)),
+        "rescue_rate": (totals.get("rescued_groups", 0) / totals["intervened_zero_variance_groups"]
+                        if totals.get("intervened_zero_variance_groups") else 0.0),
+        "zero_variance_groups": int(totals.get("zero_variance_groups", 0)),
+        "by_operator": by,
+    }
 
 
 def resolve_out(cfg: Config) -> Path:
@@ -121,6 +227,7 @@ class RunState:
     interventions: dict = field(default_factory=dict)  # how@where -> totals of STAT_KEYS over the run
     intervention_totals: dict = field(default_factory=dict)  # rescued / zero-variance group counts over the run
     tool_calls: dict = field(default_factory=dict)  # calls / failed / malformed, every rollout of the run
+    errors: dict = field(default_factory=dict)  # reward / tool: verifier and tool failures over the run
 
 
 STAT_KEYS = ("decisions", "rollouts", "cost", "successes", "probes", "accepted", "rejected", "rescued")
@@ -132,14 +239,22 @@ class Trainer:
         self.t0 = time.perf_counter()
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self.envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
+        try:
+            self.envs = make_envs(cfg.env.families, cfg.env.seed, cfg.env.options)
+            for env in self.envs.values():  # a finite pool (bfcl) may hold no task of env.levels: say so now
+                env.sample_tasks(np.random.default_rng(0), cfg.env.levels, 1)
+        except ValueError as e:  # e.g. an option value the environment refuses
+            raise RunError(f"env.families / env.options / env.levels: {e}") from None
         self.runners = {f: ToolRunner(e, cfg.rollout.tool_format) for f, e in self.envs.items()}
+        self.eval_counts = task_counts(self.envs, cfg)  # held-out tasks per row and level (pools may be finite)
         self.state = RunState()
+        self.lock: RunLock | None = None  # the run directory's, when start_run / resume_run took it
         ckpt = None
         if resume:
-            ckpt = latest_checkpoint(out / "checkpoints")
-            saved = verify_checkpoint(ckpt)
+            self.controller = CONTROLLERS[cfg.controller.name](config=cfg, out=out)
+            ckpt, saved = self._pick_checkpoint()  # restores the controller, whose trace must cover it
             self.model, self.tokenizer = load_policy(ckpt / "model")
+            self.model.to(resolve_device(cfg.run.device))
             self.policy_info = {"source": f"checkpoint {ckpt}"}
         else:
             self.model, self.tokenizer, self.policy_info = make_policy(cfg, self.envs, self._ws_progress())
@@ -148,7 +263,8 @@ class Trainer:
         self.rehearsal = RehearsalSource(self.renderer, self.envs, cfg) if cfg.learner.rehearsal > 0 else None
         self.learner = GRPOLearner(self.model, learner_settings(cfg), total_steps=cfg.run.steps,
                                    pad_id=self.renderer.pad, rehearsal_source=self.rehearsal)
-        self.controller = CONTROLLERS[cfg.controller.name](config=cfg, out=out)
+        if not resume:
+            self.controller = CONTROLLERS[cfg.controller.name](config=cfg, out=out)
         self.ledger = BudgetLedger(cfg.budget.unit, cfg.step_budget(), cfg.budget.total)
         if ckpt is not None:
             self._restore(ckpt, saved)
@@ -157,6 +273,8 @@ class Trainer:
         self.tracker = self._trackers(resume)
         self.timings: dict[str, float] = {"generate": 0.0, "score": 0.0, "controller": 0.0, "update": 0.0,
                                           "eval": 0.0}
+        self._step_errors = {"reward": 0, "tool": 0}  # this step's verifier and tool failures
+        self._warned_reward: set[str] = set()
 
     # ------------------------------------------------------------------ setup helpers
     def _ws_progress(self):
@@ -175,9 +293,10 @@ class Trainer:
 
     def _trackers(self, resume: bool):
         jsonl = JsonlTracker(self.out / "metrics.jsonl", resume_step=self.state.step if resume else None)
+        self.mlflow = None
         if not self.cfg.tracking.uri:
             return MultiTracker(jsonl, NullTracker())
-        ml = MlflowTracker(self.cfg.tracking.uri, self.cfg.tracking.experiment, self.cfg.run.name,
+        self.mlflow = ml = MlflowTracker(self.cfg.tracking.uri, self.cfg.tracking.experiment, self.cfg.run.name,
                            run_id=self.state.mlflow_run_id if resume else None,
                            parent_run_id=self.cfg.tracking.parent_run_id or None)
         self.state.mlflow_run_id = ml.run_id
@@ -186,10 +305,32 @@ class Trainer:
             ml.log_artifact(self.out / "config.json")
         return MultiTracker(jsonl, ml)
 
+    def _pick_checkpoint(self) -> tuple[Path, dict]:
+        """The newest checkpoint that verifies and whose controller state the trace on disk still covers; a
+        damaged newer one is passed over with a warning (the steps after the one chosen are run again, drawing
+        what they drew before)."""
+        root = self.out / "checkpoints"
+        remove_stale_temps(root)
+
+        def accept(path: Path, saved: dict) -> None:
+            try:
+                self.controller.load_state_dict(saved.get("controller", {}))
+            except TraceError as e:
+                raise CheckpointError(f"{path}: its controller state does not match the trace ({e})") from None
+
+        try:
+            ckpt, saved, skipped = find_checkpoint(root, accept)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}. Remove {root} to start this run again from the beginning") from None
+        for why in skipped:
+            warnings.warn(f"{why}; resuming from {ckpt.name}", stacklevel=2)
+        if skipped:  # readers (rail eval) follow the pointer: it names the checkpoint the run goes on from
+            write_text_atomic(root / "latest", ckpt.name + "\n")
+        return ckpt, saved
+
     def _restore(self, ckpt: Path, saved: dict) -> None:
         self.learner.load_state_dict(load_optimizer_state(ckpt))
         self.ledger.load_state_dict(saved["budget"])
-        self.controller.load_state_dict(saved.get("controller", {}))
         rs = saved["run"]
         self.state = RunState(step=int(saved["step"]), wall_seconds=float(rs["wall_seconds"]),
                               eval_initial=rs["eval_initial"], eval_history=rs["eval_history"],
@@ -197,7 +338,7 @@ class Trainer:
                               tokens_per_rollout=float(rs.get("tokens_per_rollout", 0.0)),
                               interventions=rs.get("interventions", {}),
                               intervention_totals=rs.get("intervention_totals", {}),
-                              tool_calls=rs.get("tool_calls", {}))
+                              tool_calls=rs.get("tool_calls", {}), errors=rs.get("errors", {}))
         rng = saved.get("rng", {})
         if "python" in rng:
             random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
@@ -213,7 +354,8 @@ class Trainer:
             "run": {"wall_seconds": st.wall_seconds + self._elapsed(), "eval_initial": st.eval_initial,
                     "eval_history": st.eval_history, "mlflow_run_id": st.mlflow_run_id,
                     "tokens_per_rollout": st.tokens_per_rollout, "interventions": st.interventions,
-                    "intervention_totals": st.intervention_totals, "tool_calls": st.tool_calls},
+                    "intervention_totals": st.intervention_totals, "tool_calls": st.tool_calls,
+                    "errors": st.errors},
             "rng": {"python": [py[0], list(py[1]), py[2]], "torch": torch.get_rng_state().tolist()},
         }
         save_checkpoint(self.out / "checkpoints", st.step, self.model, self.tokenizer,
@@ -234,15 +376,14 @@ class Trainer:
         return out
 
     def _score(self, trajs, tasks) -> None:
-        for tr in trajs:
-            fam, task = tasks[tr.group]
-            env = self.envs[fam]
-            r = env.reward(task, tr.steps)
-            if not isinstance(r, (int, float)) or not math.isfinite(r) or not 0.0 <= r <= 1.0:
-                raise RunError(f"environment '{fam}' returned reward {r!r} for task {task.id}; rewards must be "
-                               f"finite and in [0, 1]. Fix the verifier; the last checkpoint is kept.")
-            tr.reward = float(r)
-            tr.rubric = rubric_status(env, task, tr.steps)
+        def said(fam, task, why) -> None:  # reward 0 for that trajectory, counted; the first per family is said
+            self._step_errors["reward"] += 1
+            if fam not in self._warned_reward:
+                self._warned_reward.add(fam)
+                warnings.warn(f"environment '{fam}': the verifier {why} for task {task.id}; that trajectory "
+                              "gets reward 0 and training goes on (counted as errors/reward)", stacklevel=3)
+
+        score(trajs, tasks, self.envs, said)
 
     def _base_requests(self, tasks, first_group: int, n: int) -> list[RolloutRequest]:
         return [RolloutRequest(task=task, env=self.runners[fam], system=self.envs[fam].system_prompt(), group=first_group + i)
@@ -261,30 +402,7 @@ class Trainer:
                                     zero_variance_base=bool(rewards) and max(rewards) - min(rewards) < 1e-3))
 
     def _menu(self, groups) -> Menu:
-        cfg = self.cfg
-        menu = [Intervention.parse(m, k) for m in cfg.controller.menu for k in cfg.controller.how_many]
-        cache: dict = {}
-
-        def plan_for(view: GroupView, iv: Intervention, probe: bool = False):
-            key = (view.group, iv, probe, len(view.trajectories))
-            if key not in cache:
-                cache[key] = interventions.plan(iv, view.group, view.base, view.task, self.runners[view.family],
-                                                self.envs[view.family].system_prompt(), cfg.budget.unit,
-                                                cfg.rollout.max_tokens_per_turn, probe=probe)
-            return cache[key]
-
-        def legal(view, items):
-            return interventions.legal(view.base, items)
-
-        def cost(view, iv):
-            p = plan_for(view, iv)
-            return None if p is None else p.cost
-
-        refill = cfg.budget.group_size if cfg.budget.unit == "rollouts" else int(
-            cfg.budget.group_size * (self.state.tokens_per_rollout or cfg.max_rollout_tokens / 4))
-        m = Menu(menu, legal, cost, refill)
-        m.plan_for = plan_for
-        return m
+        return make_menu(self.cfg, self.envs, self.runners, self.state.tokens_per_rollout)
 
     def _intervene(self, step: int, budget, groups: list, tasks: list, all_trajs: list) -> list:
         """The controller's rounds; returns the outcomes of every decision that ran."""
@@ -368,6 +486,7 @@ class Trainer:
 
     def step(self, step: int) -> dict[str, float]:
         cfg, g = self.cfg, self.cfg.budget.group_size
+        self._step_errors = {"reward": 0, "tool": 0}
         budget = self.ledger.open_step()
         t = time.perf_counter()
         n_groups = self.controller.plan_base(budget.limit, g, cfg.budget.unit,
@@ -416,7 +535,10 @@ class Trainer:
             c, f = tr.tool_calls()
             tc["calls"] = tc.get("calls", 0) + c
             tc["failed"] = tc.get("failed", 0) + f
-            tc["malformed"] = tc.get("malformed", 0) + sum(1 for st in tr.steps if st.action is None)
+            tc["malformed"] = tc.get("malformed", 0) + sum(1 for st in tr.steps if _malformed(st))
+            self._step_errors["tool"] += sum(1 for st in tr.steps if st.error)
+        for k, v in self._step_errors.items():
+            self.state.errors[k] = self.state.errors.get(k, 0) + v
         rewards = np.array([tr.reward for tr in base])
         m = {
             "rollout/reward_mean": float(rewards.mean()),
@@ -437,7 +559,9 @@ class Trainer:
             "shift/mean": batch.stats["shift_mean"],
             "shift/max": batch.stats["shift_max"],
             "shift/replayed": batch.stats["guided_replay"],
-            "rollout/malformed_calls": float(sum(1 for tr in base for st in tr.steps if st.action is None)),
+            "rollout/malformed_calls": float(sum(1 for tr in base for st in tr.steps if _malformed(st))),
+            "errors/reward": float(self._step_errors["reward"]),
+            "errors/tool": float(self._step_errors["tool"]),
             "time/generate_s": t_gen, "time/score_s": t_score, "time/controller_s": t_ctl, "time/update_s": t_upd,
         }
         m.update(self._intervention_metrics(groups, outcomes, budget))
@@ -450,62 +574,8 @@ class Trainer:
         return m
 
     def _intervention_metrics(self, groups: list, outcomes: list, budget) -> dict[str, float]:
-        """Per operator and placement (how@where): decisions, rollouts, successes, shift-filter acceptance and
-        the groups each turned from zero-variance to informative; totals are kept for the summary."""
-        per: dict[str, dict[str, float]] = {}
-        trained = {gv.group for gv in groups if any(t.status == "trained" for t in gv.trajectories)}
-        for o in outcomes:
-            if o.decision.refill:
-                continue
-            key = o.decision.intervention.key
-            d = per.setdefault(key, dict.fromkeys(STAT_KEYS, 0.0))
-            d["decisions"] += 1
-            d["rollouts"] += len(o.trajectories)
-            d["cost"] += o.cost
-            d["successes"] += o.successes
-            d["probes"] += len(o.trajectories) if o.decision.probe else 0
-            d["rejected"] += sum(t.status == "shift_rejected" for t in o.trajectories)
-            d["accepted"] += sum(t.status not in ("shift_rejected", "probe") for t in o.trajectories)
-        # a rescue is credited to the interventions whose accepted rollouts broke the tie of a zero-variance group
-        for o in outcomes:
-            gv = groups[o.decision.group] if not o.decision.refill else None
-            if gv is None or not gv.zero_variance_base or gv.group not in trained or not gv.base:
-                continue
-            tie = gv.base[0].reward
-            if any(t.status == "trained" and abs(t.reward - tie) > 1e-3 for t in o.trajectories):
-                per[o.decision.intervention.key]["rescued"] += 1
-        intervened_zero = sum(1 for gv in groups if gv.interventions and gv.zero_variance_base)
-        rescued = sum(1 for gv in groups if gv.interventions and gv.zero_variance_base and gv.group in trained)
-        tot = self.state.interventions
-        for key, d in per.items():
-            acc = tot.setdefault(key, dict.fromkeys(STAT_KEYS, 0.0))
-            for k, v in d.items():
-                acc[k] += v
-        tot_all = self.state.intervention_totals
-        for k, v in (("intervened_zero_variance_groups", intervened_zero), ("rescued_groups", rescued),
-                     ("zero_variance_groups", sum(gv.zero_variance_base for gv in groups if gv.n_base))):
-            tot_all[k] = tot_all.get(k, 0.0) + v
-        m: dict[str, float] = {}
-        for key, d in per.items():
-            m[f"intervention/{key}/decisions"] = d["decisions"]
-            m[f"intervention/{key}/rollouts"] = d["rollouts"]
-            m[f"intervention/{key}/success_rate"] = d["successes"] / d["rollouts"] if d["rollouts"] else 0.0
-            measured = d["accepted"] + d["rejected"]
-            m[f"intervention/{key}/accepted_share"] = d["accepted"] / measured if measured else 0.0
-            m[f"intervention/{key}/rescued_groups"] = d["rescued"]
-        n_roll = sum(d["rollouts"] for d in per.values())
-        n_acc = sum(d["accepted"] for d in per.values())
-        n_rej = sum(d["rejected"] for d in per.values())
-        m.update({
-            "intervention/decisions": float(sum(d["decisions"] for d in per.values())),
-            "intervention/rollouts": float(n_roll),
-            "intervention/success_rate": sum(d["successes"] for d in per.values()) / n_roll if n_roll else 0.0,
-            "intervention/accepted_share": n_acc / (n_acc + n_rej) if n_acc + n_rej else 0.0,
-            "intervention/rescued_groups": float(rescued),
-            "intervention/rescue_rate": rescued / intervened_zero if intervened_zero else 0.0,
-            "intervention/budget_share": budget.spent["intervention"] / budget.limit if budget.limit else 0.0,
-        })
-        return m
+        share = budget.spent["intervention"] / budget.limit if budget.limit else 0.0
+        return intervention_metrics(groups, outcomes, share, self.state.interventions, self.state.intervention_totals)
 
     # ------------------------------------------------------------------ run
     def _evaluate(self, step: int) -> dict:
@@ -514,11 +584,21 @@ class Trainer:
         res = evaluate(self.engine, self.envs, self.cfg, seed=_seed(self.cfg.run.seed, 10_000))
         self.timings["eval"] += time.perf_counter() - t
         self.state.eval_history.append({"step": step, "budget_spent": self.ledger.used, "success": res})
-        self.tracker.log_metrics({**eval_metrics(res), "eval/easy_mean": mean_over(res, self.cfg.warmstart.levels),
+        self.tracker.log_metrics({**eval_metrics(res, self.eval_counts),
+                                  "eval/easy_mean": mean_over(res, self.cfg.warmstart.levels),
                                   "budget/spent_total": float(self.ledger.used)}, step)
         return res
 
     def run(self) -> dict:
+        """Train to ``run.steps`` (or ``budget.total``), evaluate, write ``summary.json``; the run directory's
+        lock is released however it ends."""
+        try:
+            return self._run()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def _run(self) -> dict:
         cfg = self.cfg
         if self.state.step == 0 and not self.state.eval_history:
             self.state.eval_initial = self._evaluate(0)
@@ -592,85 +672,111 @@ class Trainer:
                        "spent": {"base": self.ledger.spent["base"], "intervention": self.ledger.spent["intervention"],
                                  "total": self.ledger.used}},
             "eval": {"initial": initial, "final": final, "history": st.eval_history,
+                     "tasks": self.eval_counts, "overall_initial": overall(initial, self.eval_counts),
+                     "overall_final": overall(final, self.eval_counts),
                      "easy_levels": easy, "beyond_levels": beyond,
                      "easy_initial": mean_over(initial, easy), "easy_final": mean_over(final, easy),
                      "beyond_initial": mean_over(initial, beyond), "beyond_final": mean_over(final, beyond)},
             "boundary": boundary,
             "interventions": self._intervention_summary(),
             "tool_calls": {k: int(v) for k, v in st.tool_calls.items()},
+            "errors": {k: int(st.errors.get(k, 0)) for k in ("reward", "tool")},
             "controller_state": self.controller.summary(),
+            "tracking": {"uri": cfg.tracking.uri,
+                         "status": "off" if self.mlflow is None else "ok" if self.mlflow.ok else "failed",
+                         "error": None if self.mlflow is None else self.mlflow.error},
             "time": {k: round(v, 3) for k, v in self.timings.items()},
         }
 
 
     def _intervention_summary(self) -> dict:
-        st, spent = self.state, self.ledger.spent
-        tot = st.intervention_totals
-        by = {k: {n: int(v) for n, v in d.items()} for k, d in sorted(st.interventions.items())}
-        acc = sum(d["accepted"] for d in st.interventions.values())
-        rej = sum(d["rejected"] for d in st.interventions.values())
-        rolls = sum(d["rollouts"] for d in st.interventions.values())
-        succ = sum(d["successes"] for d in st.interventions.values())
-        for d in by.values():
-            measured = d["accepted"] + d["rejected"]
-            d["success_rate"] = round(d["successes"] / d["rollouts"], 4) if d["rollouts"] else 0.0
-            d["accepted_share"] = round(d["accepted"] / measured, 4) if measured else 0.0
-        total = spent["base"] + spent["intervention"]
-        return {
-            "budget_share": spent["intervention"] / total if total else 0.0,
-            "rollouts": int(rolls),
-            "success_rate": succ / rolls if rolls else 0.0,
-            "acceptance_rate": acc / (acc + rej) if acc + rej else 0.0,
-            "rescued_groups": int(tot.get("rescued_groups", 0)),
-            "rescue_rate": (tot.get("rescued_groups", 0) / tot["intervened_zero_variance_groups"]
-                            if tot.get("intervened_zero_variance_groups") else 0.0),
-            "zero_variance_groups": int(tot.get("zero_variance_groups", 0)),
-            "by_operator": by,
-        }
+        spent = self.ledger.spent
+        return intervention_summary(self.state.interventions, self.state.intervention_totals, spent["base"],
+                                    spent["intervention"])
 
 
 def start_run(cfg: Config, show_progress: bool = True) -> tuple[Trainer, Path]:
+    """A new run in ``run.out``: refused when the directory holds a run with a checkpoint or a summary (resume
+    it instead) or another process is in it; a run there that was stopped before its first checkpoint has
+    nothing finished, so it is replaced."""
     out = resolve_out(cfg)
-    if (out / "config.json").exists():
-        raise RunError(f"{out} already holds a run; resume it with `rail train --resume {out}` "
-                       "or choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=1))
+    created = make_out(out)
+    lock = RunLock(out)
     try:
-        return Trainer(cfg, out, show_progress=show_progress), out
+        if (out / "config.json").exists():
+            if (out / "summary.json").exists() or has_checkpoint(out):
+                raise RunError(f"{out} already holds a run; resume it with `rail train --resume {out}` "
+                               "or choose another --out")
+            if not is_run_config(out / "config.json"):
+                raise RunError(f"{out}: holds a config.json that is not a rail run's; choose another --out")
+            clear_partial(out, "holds a run stopped before its first checkpoint")
+        write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=1))
     except BaseException:
-        if not (out / "checkpoints").exists():  # nothing worth keeping yet
-            import shutil
-            shutil.rmtree(out, ignore_errors=True)
+        lock.release()
         raise
+    try:
+        trainer = Trainer(cfg, out, show_progress=show_progress)
+    except BaseException:
+        lock.release()
+        if not has_checkpoint(out):  # nothing worth keeping yet
+            import shutil
+            if created:
+                shutil.rmtree(out, ignore_errors=True)
+            else:
+                for name in ("config.json", *PARTIAL):
+                    p = out / name
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        raise
+    trainer.lock = lock
+    return trainer, out
+
+
+def read_run_config(run_dir: Path) -> Config:
+    """The config a run was started with (its ``config.json``); a clear error naming the file when it is damaged."""
+    cpath = Path(run_dir) / "config.json"
+    raw = read_json(cpath, fix="the run's configuration is damaged; restore the file, or start a new run "
+                               "with another --out")
+    cfg = merge(Config(), raw, str(cpath))
+    validate(cfg)
+    return cfg
 
 
 def resume_run(out: Path, show_progress: bool = True) -> tuple[Trainer, Path]:
-    cpath = out / "config.json"
-    if not cpath.is_file():
+    """Continue the run in ``out`` from its newest usable checkpoint; a run stopped before its first checkpoint
+    starts again from the beginning with its own config (nothing of it was finished)."""
+    out = Path(out)
+    if not (out / "config.json").is_file():
         raise RunError(f"{out}: no config.json; not a rail run directory")
+    lock = RunLock(out)
     try:
-        raw = json.loads(cpath.read_text())
-    except json.JSONDecodeError as e:
-        raise RunError(f"{cpath}: corrupt ({e})") from None
-    cfg = merge(Config(), raw, str(cpath))
-    validate(cfg)
-    return Trainer(cfg, out, resume=True, show_progress=show_progress), out
+        cfg = read_run_config(out)
+        if has_checkpoint(out):
+            trainer = Trainer(cfg, out, resume=True, show_progress=show_progress)
+        else:
+            clear_partial(out, "no checkpoint yet (the run was stopped before its first one)")
+            trainer = Trainer(cfg, out, show_progress=show_progress)
+    except BaseException:
+        lock.release()
+        raise
+    trainer.lock = lock
+    return trainer, out
 
 
 def resolve_checkpoint(path: Path) -> tuple[Path, Config]:
-    """(checkpoint directory, the run's config) for a run directory (its latest checkpoint) or a checkpoint
-    directory inside one; the checkpoint's checksums are verified."""
+    """(checkpoint directory, the run's config) for a run directory (its newest usable checkpoint) or a
+    checkpoint directory inside one; the checkpoint's checksums are verified."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
-        run_dir, ckpt = path, latest_checkpoint(path / "checkpoints")
+        run_dir = path
+        ckpt, _, skipped = find_checkpoint(path / "checkpoints")
+        for why in skipped:
+            warnings.warn(f"{why}; evaluating {ckpt.name}", stacklevel=2)
     elif (path / "manifest.json").exists() or (path / "model").is_dir():
         run_dir, ckpt = path.parent.parent, path
+        verify_checkpoint(ckpt)
     else:
         raise RunError(f"{path}: neither a run directory nor a checkpoint directory")
-    verify_checkpoint(ckpt)
-    raw = json.loads((run_dir / "config.json").read_text())
-    return ckpt, merge(Config(), raw, str(run_dir / "config.json"))
+    return ckpt, read_run_config(run_dir)
 
 
 def eval_checkpoint(path: Path, tasks_per_level: int | None = None, temperature: float | None = None) -> dict:
@@ -682,12 +788,9 @@ def eval_checkpoint(path: Path, tasks_per_level: int | None = None, temperature:
         cfg.eval.temperature = temperature
     validate(cfg)
     model, tok = load_policy(ckpt / "model")
-    envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="rail-eval-") as tmp:
-        engine = make_engine(cfg, model, ChatRenderer(tok), Path(tmp))
-        try:
-            return evaluate(engine, envs, cfg, seed=_seed(cfg.run.seed, 99_999))
-        finally:
-            close_engine(engine)
+    envs = make_envs(cfg.env.families, cfg.env.seed, cfg.env.options)
+    engine = make_engine(cfg, model.to(resolve_device(cfg.run.device)), ChatRenderer(tok), None)
+    try:
+        return evaluate(engine, envs, cfg, seed=_seed(cfg.run.seed, 99_999))
+    finally:
+        close_engine(engine)

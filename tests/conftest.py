@@ -1,6 +1,7 @@
 """Test tiers for the optional dependencies.
 
-A test marked ``vllm``, ``trl``, ``ray`` or ``bfcl`` is skipped when its extra is not installed. CI sets
+A test marked ``vllm``, ``trl``, ``ray``, ``bfcl`` or ``verl`` is skipped when its extra is not installed (verl's:
+``pip install --no-deps -r requirements-verl.txt``). CI sets
 ``RAIL_REQUIRE_TIERS`` (comma-separated tier names, or ``all``): a tier named there whose extra is missing fails
 the whole session instead, because a skipped tier is not a passed tier.
 """
@@ -13,7 +14,7 @@ import os
 import pytest
 
 #: tier -> the module its extra provides
-TIERS = {"vllm": "vllm", "trl": "trl", "ray": "ray", "bfcl": "bfcl_eval"}
+TIERS = {"vllm": "vllm", "trl": "trl", "ray": "ray", "bfcl": "bfcl_eval", "verl": "verl"}
 
 
 def _available(module: str) -> bool:
@@ -43,7 +44,8 @@ def pytest_collection_modifyitems(config, items) -> None:
     for tier, module in TIERS.items():
         if _available(module):
             continue
-        skip = pytest.mark.skip(reason=f"the {tier} extra is not installed (pip install -e \".[{tier}]\"; see README)")
+        how = "pip install --no-deps -r requirements-verl.txt" if tier == "verl" else f"pip install -e \".[{tier}]\""
+        skip = pytest.mark.skip(reason=f"the {tier} extra is not installed ({how}; see README)")
         for item in items:
             if item.get_closest_marker(tier):  # (not `in item.keywords`: that also matches file names)
                 item.add_marker(skip)

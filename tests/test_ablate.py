@@ -308,8 +308,7 @@ def test_smoke_ablation_report(smoke_ablation, capsys):
 def test_rerun_skips_finished_resumes_killed_and_records_a_failed_arm(smoke_ablation):
     """On the smoke ablation's directory: a job is started again and the whole ablation (workers too) is
     SIGKILLed once that job has checkpointed; the rerun skips a finished pair, resumes the killed one, and
-    records a pair whose resume fails for real (its checkpoint pointer names a missing checkpoint) while the
-    others finish."""
+    records a pair whose resume fails for real (none of its checkpoints is whole) while the others finish."""
     import shutil
 
     out, db, cache = smoke_ablation["out"], smoke_ablation["db"], smoke_ablation["cache"]
@@ -318,7 +317,8 @@ def test_rerun_skips_finished_resumes_killed_and_records_a_failed_arm(smoke_abla
     none_summary = out / "none" / "seed0" / "summary.json"
     before = none_summary.stat().st_mtime_ns
     (out / "ladder" / "seed0" / "summary.json").unlink()
-    (out / "ladder" / "seed0" / "checkpoints" / "latest").write_text("step_999999\n")
+    for ck in (out / "ladder" / "seed0" / "checkpoints").glob("step_*"):
+        (ck / "manifest.json").unlink()
     dapo = out / "dapo" / "seed0"
     shutil.rmtree(dapo)
     p = subprocess.Popen([*RAIL, "ablate", *args, "--set", f"warmstart.cache_dir={cache}"], cwd=ROOT,
@@ -346,14 +346,15 @@ def test_rerun_skips_finished_resumes_killed_and_records_a_failed_arm(smoke_abla
     assert steps == [1, 2, 3]  # lines past the checkpoint were dropped, step 3 was logged once
     bad = jobs["ladder/seed0"]
     assert bad["status"] == "failed" and bad["returncode"] == 1
-    assert any("step_999999" in ln for ln in bad["stderr_tail"]), bad["stderr_tail"]
+    assert any("no usable checkpoint" in ln and "manifest.json is missing" in ln for ln in bad["stderr_tail"]), \
+        bad["stderr_tail"]
     assert state["failed"] == ["ladder/seed0"]
     assert state["arms"] == list(load_ablation(CONTROLLERS).arms)  # a rerun on a subset keeps every arm
     rep = json.loads((out / "report.json").read_text())
     assert "ladder" not in rep["arms"] and rep["arms_missing"] == ["ladder"]
     assert rep["failed"][0]["job"] == "ladder/seed0" and "dapo" in rep["arms"] and "rail" in rep["arms"]
     md = (out / "report.md").read_text()
-    assert "## Failed jobs" in md and "step_999999" in md
+    assert "## Failed jobs" in md and "manifest.json is missing" in md
     # MLflow: still one parent; the restarted dapo job is one new child, resumed in place, and finished
     _, runs = mlflow_runs(db)
     assert sum("mlflow.parentRunId" not in x.data.tags for x in runs) == 1

@@ -510,3 +510,77 @@ def test_learning_rate_schedule_runs_on_training_steps():
     expected = [1e-3 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]
     assert rates[2:] == pytest.approx(expected)
     assert learner.scheduler.get_last_lr()[0] == pytest.approx(0.0)
+
+
+# ---------------------------------------------------------------------------------------------- numerical guards
+def _far(log_ratios, adv, dtype=torch.float32):
+    """One sequence in ``dtype`` whose tokens have the given log-ratios logp - old_logp (logp = -1)."""
+    logp = torch.full((1, len(log_ratios)), -1.0, dtype=dtype, requires_grad=True)
+    old = logp.detach() - torch.tensor([log_ratios], dtype=dtype)
+    return logp, old, torch.tensor([adv], dtype=dtype), torch.ones(1, len(log_ratios), dtype=dtype)
+
+
+@pytest.mark.parametrize("lr", [50.0, -50.0, 100.0, -100.0, 1e4])
+@pytest.mark.parametrize("a", [1.0, -1.0])
+@pytest.mark.parametrize("mode", MODES)
+def test_ppo_float32_far_log_ratios_give_finite_loss_and_gradient(lr, a, mode):
+    # without the clamp, log-ratio 100 in float32 is exp(100) = inf: loss inf (A < 0), gradient NaN (A > 0)
+    logp, old, adv, mask = _far([lr, 0.0], [a, a])
+    ref = logp.detach() + torch.tensor([[lr, 0.0]])  # the KL term sees the same gap
+    loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, mode, max_tokens=2, ref_logp=ref, kl_coef=0.1)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert all(math.isfinite(v) for v in st.values())
+
+
+def test_ppo_log_ratio_is_clamped_at_20_hand_numbers():
+    # log-ratio 50, A = -1: ratio exp(clamp(50)) = exp(20) = 4.85165e8, unclipped for A < 0 -> loss exp(20);
+    # the second token has ratio 1, A = -1 -> loss 1. token mean (exp(20) + 1) / 2. The clamped token has zero
+    # gradient (the clamp is flat there, as in verl); the other -A * ratio / 2 = 0.5.
+    logp, old, adv, mask = _far([50.0, 0.0], [-1.0, -1.0], torch.float64)
+    loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean")
+    assert loss.item() == pytest.approx((math.exp(20.0) + 1) / 2, rel=1e-12)
+    assert st["ratio_max"] == pytest.approx(math.exp(20.0), rel=1e-12)
+    loss.backward()
+    assert close(logp.grad, [[0.0, 0.5]])
+    # log-ratio -50, A = +1: ratio exp(-20) = 2.06115e-9 inside no clip branch for A > 0 -> loss -exp(-20)
+    logp, old, adv, mask = _far([-50.0], [1.0], torch.float64)
+    loss, _ = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean")
+    assert loss.item() == pytest.approx(-math.exp(-20.0), rel=1e-12)
+
+
+def test_ppo_dual_clip_hand_numbers():
+    # c = 3. ratios [5, 2, 0.5, 5], A = [-1, -1, -1, +2]:
+    #   t0: A < 0, PPO loss -min(-5, -1.28) = 5 > 3 -> dual clip: 3, zero gradient
+    #   t1: A < 0, ratio 2 < c -> PPO loss 2 (unclipped for A < 0), gradient -A * ratio / 4 = 0.5
+    #   t2: A < 0, ratio 0.5 < 0.8 -> clipped low: 0.8, zero gradient
+    #   t3: A > 0, ratio 5 > 1.28 -> clipped high: -2.56, zero gradient (dual clip never touches A > 0)
+    # token mean (3 + 2 + 0.8 - 2.56) / 4 = 3.24 / 4 = 0.81; clip_frac_dual 1/4, clip_frac 2/4
+    logp, old, adv, mask = _ppo_inputs([5.0, 2.0, 0.5, 5.0], [-1.0, -1.0, -1.0, 2.0])
+    loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean", clip_ratio_c=3.0)
+    assert close(loss, 0.81)
+    assert st["clip_frac_dual"] == 0.25 and st["clip_frac"] == 0.5
+    loss.backward()
+    assert close(logp.grad, [[0.0, 0.5, 0.0, 0.0]])
+    # off (the default): t0 keeps its PPO loss 5 -> (5 + 2 + 0.8 - 2.56) / 4 = 1.31
+    logp, old, adv, mask = _ppo_inputs([5.0, 2.0, 0.5, 5.0], [-1.0, -1.0, -1.0, 2.0])
+    loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean")
+    assert close(loss, 1.31) and st["clip_frac_dual"] == 0.0
+    # float32, log-ratio 50, A = -1, c = 3: the loss is 3, not exp(20)
+    logp, old, adv, mask = _far([50.0], [-1.0])
+    loss, _ = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean", clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean", clip_ratio_c=0.5)
+
+
+def test_k3_is_capped_at_10_with_clamped_log_ratio():
+    # r = ref - logp = 50 -> clamp 20 -> exp(20) - 21 -> cap 10; r = -50 -> clamp -20 -> exp(-20) + 19 -> cap 10;
+    # r = 2 -> exp(2) - 3 = 4.38906 (below the cap, unchanged). Capped tokens have zero gradient.
+    logp = torch.zeros(1, 3, requires_grad=True)
+    ref = torch.tensor([[50.0, -50.0, 2.0]])
+    k3 = grpo.k3_kl(logp, ref)
+    assert close(k3, [[10.0, 10.0, math.exp(2.0) - 3.0]])
+    k3.sum().backward()
+    # d k3 / d logp = 1 - exp(r) at r = 2: 1 - 7.38906 = -6.38906
+    assert close(logp.grad, [[0.0, 0.0, 1.0 - math.exp(2.0)]])

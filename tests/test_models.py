@@ -170,9 +170,14 @@ def test_smoke_run_trains_a_bpe_checkpoint_in_hermes_format_with_interventions(t
     """End to end on the BPE checkpoint in its own format, all three families. The warm start is the smoke
     preset's (20 steps): too short for a random model to write well-formed calls itself, so the ladder's first
     rung is a guided step, a reference call written in the hermes format and executed; hints and plans follow."""
-    cfg = build_config("smoke", sets=[{"run": {"out": str(tmp_path / "run")}, "tracking": {"uri": ""},
-                                       "warmstart": {"cache_dir": str(tmp_path / "ws")},
-                                       "model": {"path": str(tiny_dir)}},
+    cfg = build_config("smoke", sets=[{"run": {"out": str(tmp_path / "run"), "steps": 2}, "tracking": {"uri": ""},
+                                       "warmstart": {"cache_dir": str(tmp_path / "ws"), "batch_size": 8},
+                                       "model": {"path": str(tiny_dir)},
+                                       # short episodes: a random model writes to the turn limit every turn
+                                       "rollout": {"max_turns": 3}, "env": {"levels": [1, 2]},
+                                       "eval": {"tasks_per_level": 2, "levels": [1, 2]},
+                                       # every group fails, so only the rehearsal term trains: keep them
+                                       "learner": {"drop_zero_variance": False}},
                                       parse_set("rollout.tool_format='hermes'"), parse_set("controller.name='ladder'"),
                                       parse_set('controller.ladder=["guided_step@violation", "rubric_hint@violation", '
                                                 '"action_guide@start"]')])
@@ -187,7 +192,9 @@ def test_smoke_run_trains_a_bpe_checkpoint_in_hermes_format_with_interventions(t
     assert ops["guided_step@violation"]["rollouts"] > 0 and ops["rubric_hint@violation"]["rollouts"] > 0, ops
     assert set(s["eval"]["final"]) == set(FAMILIES)
     after = trainer.model.state_dict()
-    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the GRPO steps updated the model
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "rollout/reward_mean" in x]
+    assert len(steps) == 2 and all(not m.get("loss/skipped") and math.isfinite(m["loss/loss"]) for m in steps)
     # the checkpoint under model.path was not written to: the warm-started model lives in the cache
     assert load_policy(tiny_dir)[0].state_dict()["model.norm.weight"].eq(1).all()
 

@@ -52,8 +52,19 @@ def test_packed_logits_and_gradients_match_the_padded_pass():
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
 
 
-def test_models_that_cannot_pack_fall_back_to_padding():
+def test_models_that_cannot_pack_and_long_rows_take_the_unmasked_padded_pass(monkeypatch):
+    """The padded pass takes no attention mask (right padding: causal attention never reaches it), and matches
+    the masked pass on every real token; rows longer than PACK_MAX_TOKENS are not packed."""
+    import policy.packing as P
+
     model = _model()
-    model._rail_packing_ok = False  # what the one-off check records for such a model
     ids, attn = _batch([8, 3])
-    assert torch.equal(forward_logits(model, ids, attn, 0), model(input_ids=ids, attention_mask=attn).logits)
+    m = attn.bool()
+    masked = model(input_ids=ids, attention_mask=attn).logits
+    model._rail_packing_ok = False  # what the one-off check records for such a model
+    assert torch.allclose(forward_logits(model, ids, attn, 0)[m], masked[m], atol=1e-5)
+    model._rail_packing_ok = True
+    monkeypatch.setattr(P, "PACK_MAX_TOKENS", 4)
+    calls = []
+    monkeypatch.setattr(P, "_packed_logits", lambda *a: calls.append(a))
+    assert torch.allclose(forward_logits(model, ids, attn, 0)[m], masked[m], atol=1e-5) and not calls

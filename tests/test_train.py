@@ -61,6 +61,7 @@ def test_bad_group_size_is_rejected_before_anything_runs(tmp_path):
     (["learner.rehearsal=-0.5"], "learner.rehearsal"),
     (["learner.rehearsal_batch=0"], "learner.rehearsal_batch"),
     (["controller.absorption=-1"], "controller.absorption"),
+    (["controller.menu=['resample@start', 'rubric_hint@violation']"], "controller.ladder"),
 ])
 def test_config_errors_name_the_field(sets, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
@@ -159,13 +160,15 @@ def test_tracking_failure_does_not_stop_training(tmp_path, cache_dir):
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
 
 
-def test_nan_reward_is_a_clear_error(tmp_path, cache_dir):
+def test_broken_verifier_gives_reward_0_counted_and_the_step_goes_on(tmp_path, cache_dir):
     cfg = smoke(tmp_path, cache_dir)
     trainer, _ = start_run(cfg, show_progress=False)
     for env in trainer.envs.values():  # whichever family the step draws first
         env.reward = lambda task, steps: float("nan")
-    with pytest.raises(RunError, match="reward nan.*(lookup|calc|kin)"):
-        trainer.step(1)
+    with pytest.warns(UserWarning, match="verifier returned nan.*reward 0"):
+        m = trainer.step(1)
+    assert m["errors/reward"] == m["rollout/count"] + m["intervention/rollouts"] > 0  # every rollout scored
+    assert m["rollout/reward_mean"] == 0.0 and math.isfinite(m["loss/lr"])
 
 
 def test_existing_run_directory_is_not_overwritten(tmp_path, cache_dir):
@@ -288,24 +291,8 @@ def _generic(name: str) -> str:
     """A logged name in the docs' placeholder form."""
     import re
     name = re.sub(r"^intervention/[a-z_]+@[a-z]+/", "intervention/<key>/", name)
-    return re.sub(r"^eval/[a-z]+/level_\d+$", "eval/<family>/level_<L>", name)
-
-
-def test_corrupt_checkpoint_gets_a_clear_error(tmp_path, cache_dir):
-    cfg = smoke(tmp_path, cache_dir)
-    trainer, out = start_run(cfg, show_progress=False)
-    trainer.run()
-    ckpt = out / "checkpoints" / "step_000003"
-    weights = ckpt / "model" / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    weights.write_bytes(bytes(data))
-    r = cli("train", "--resume", str(out))
-    assert r.returncode == 1
-    assert "corrupt" in r.stderr and "model.safetensors" in r.stderr
-    (out / "checkpoints" / "latest").write_text("step_000099\n")
-    r = cli("train", "--resume", str(out))
-    assert r.returncode == 1 and "step_000099" in r.stderr
+    name = re.sub(r"^eval/[a-z_/]+/level_\d+$", "eval/<family>/level_<L>", name)
+    return re.sub(r"^eval/[a-z_/]+/all$", "eval/<family>/all", name)
 
 
 def test_eval_checkpoint_cli(tmp_path, cache_dir):

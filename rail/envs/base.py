@@ -7,11 +7,20 @@ every environment keeps its held-out evaluation pool disjoint from its training 
 Environments describe their tools as JSON schemas (:meth:`Environment.tools`, OpenAI function format); a
 :class:`ToolRunner` parses each assistant turn in the model's tool-call format (``rollout.tool_format``,
 :mod:`rail.envs.toolcalls`: the built-in ``name(arg, arg, ...)`` grammar, ``hermes`` or ``json``) into an
-:class:`Action` whose arguments are strings. Model output is never evaluated.
+:class:`Action`: positional string arguments for the built-in families, named JSON values for an environment that
+sets ``named_arguments`` (``bfcl``). Model output is never evaluated.
+
+A stateless environment runs a call with ``execute(task, action)``; a stateful one (``bfcl``: file systems,
+accounts, tickets) opens one episode per rollout with ``start(task)`` and runs its calls there. Either may answer
+a turn with the next user message instead of a tool result (:attr:`Step.user`), for conversations of several user
+turns. ``docs/environments.md`` is the protocol's manual.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import numbers
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -24,14 +33,48 @@ import numpy as np
 _CALL = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\((.*)\)\s*$", re.S)
 
 
+#: The ``tool`` of an action that is no call but a plain assistant message (its text in ``args[0]``): how a
+#: reference trajectory ends its reply to one user message in an environment of several user turns.
+MESSAGE = ""
+
+
 @dataclass(frozen=True)
 class Action:
-    """One tool call: a tool name and its string arguments."""
+    """One tool call: a tool name and its arguments, either positional strings (``args``, the built-in families)
+    or named JSON values (``kwargs``: ``(name, JSON text)`` pairs sorted by name, for an environment with
+    ``named_arguments``; build them with :meth:`named`). ``tool == MESSAGE``: no call, a plain message."""
 
     tool: str
     args: tuple[str, ...] = ()
+    kwargs: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def named(cls, tool: str, arguments: dict) -> "Action":
+        """A call with named arguments; values must be JSON values (ValueError otherwise, e.g. NaN or a set)."""
+        try:
+            kw = tuple(sorted((str(k), json.dumps(v, sort_keys=True, ensure_ascii=False, allow_nan=False))
+                              for k, v in arguments.items()))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{tool}: arguments are not JSON values ({e})") from None
+        return cls(tool, (), kw)
+
+    @classmethod
+    def message(cls, text: str) -> "Action":
+        """A plain assistant message (no call)."""
+        return cls(MESSAGE, (text,))
+
+    @property
+    def arguments(self) -> dict:
+        """The named arguments as Python values (empty for a positional call)."""
+        return {k: json.loads(v) for k, v in self.kwargs}
 
     def render(self) -> str:
+        """``name(arg, ...)``; named arguments as Python literals, ``name(key='value', n=2)`` (the form BFCL's
+        ground truth is written in); a message is its text."""
+        if self.tool == MESSAGE:
+            return self.args[0] if self.args else ""
+        if self.kwargs:
+            return f"{self.tool}({', '.join(f'{k}={v!r}' for k, v in self.arguments.items())})"
         return f"{self.tool}({', '.join(self.args)})"
 
 
@@ -58,14 +101,20 @@ class RubricItem:
 
     ``kind == "call"``: holds once a successful tool call equal to ``action`` was made (the environment decides
     equality, e.g. ``calc`` treats ``+`` and ``*`` as commutative). ``kind == "answer"``: holds when the final
-    answer equals ``action.args[0]``. ``evidence`` is what a hint may reveal about the milestone.
+    answer equals ``action.args[0]``. An environment may define other kinds and decide them itself
+    (``rubric_achieved``; ``bfcl``'s ``"turn"``: a user turn's ground-truth state reached). ``evidence`` is what a
+    hint may reveal about the milestone; a hint lists ``calls`` after it, written in the model's tool format.
+    ``action`` is the step a guided-step intervention writes for it. ``guide_end`` is how many action-guide
+    actions reach it (0: one per item, the item's index + 1), the length of a plan up to it.
     """
 
     description: str
-    kind: str  # "call" | "answer"
+    kind: str  # "call" | "answer" | an environment's own
     action: Action
     result: str | None = None
     evidence: str = ""
+    calls: tuple[Action, ...] = ()
+    guide_end: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,6 +139,8 @@ class Step:
     observation: str
     ok: bool  # the tool call was well-formed and executed without error
     done: bool  # the episode ended on this turn (an answer was given)
+    user: str | None = None  # the next user message: this turn ended the reply to the current one (no tool result)
+    error: str | None = None  # the tool itself failed (raised, or returned no observation string): why
 
 
 @dataclass(frozen=True)
@@ -116,15 +167,23 @@ class RubricStatus:
 
 
 def rubric_status(env: "Environment", task: Task, steps: Sequence[Step]) -> RubricStatus:
-    """Evaluate ``task.rubric`` on ``steps`` (a whole trajectory or any prefix of one)."""
-    achieved: list[int | None] = []
-    for item in task.rubric:
-        turn = None
-        for t, step in enumerate(steps):
-            if env.item_holds(task, item, step):
-                turn = t
-                break
-        achieved.append(turn)
+    """Evaluate ``task.rubric`` on ``steps`` (a whole trajectory or any prefix of one): each item's first turn
+    from the environment's ``rubric_achieved(task, steps)`` if it has one (milestones that depend on the whole
+    prefix, e.g. a state), else from ``item_holds`` step by step."""
+    achieved_by = getattr(env, "rubric_achieved", None)
+    if achieved_by is not None:
+        achieved = list(achieved_by(task, steps))
+        if len(achieved) != len(task.rubric):
+            raise ValueError(f"{task.id}: rubric_achieved gave {len(achieved)} turns for {len(task.rubric)} items")
+    else:
+        achieved = []
+        for item in task.rubric:
+            turn = None
+            for t, step in enumerate(steps):
+                if env.item_holds(task, item, step):
+                    turn = t
+                    break
+            achieved.append(turn)
     holds = tuple(t is not None for t in achieved)
     first = next((k for k, h in enumerate(holds) if not h), None)
     violated_turn = None
@@ -135,7 +194,15 @@ def rubric_status(env: "Environment", task: Task, steps: Sequence[Step]) -> Rubr
 
 
 class Environment(Protocol):
-    """What the training loop needs from an environment family."""
+    """What the training loop needs from an environment family (``docs/environments.md``).
+
+    Constructed as ``Class(seed=env.seed, **env.options[<family>])``. Required: ``levels``, :meth:`system_prompt`,
+    :meth:`tools`, :meth:`sample_tasks`, :meth:`eval_tasks`, :meth:`reward`, a way to run calls (:meth:`execute`,
+    or :meth:`start` for a stateful environment) and a way to decide milestones (:meth:`item_holds`, or
+    ``rubric_achieved(task, steps)`` for milestones that depend on the whole prefix). Optional:
+    :meth:`vocabulary` (only the built-in word-level model needs it), :meth:`demonstration_task` (default: a
+    training task), ``named_arguments = True`` (calls carry named JSON values, :attr:`Action.kwargs`).
+    """
 
     name: str
     levels: tuple[int, ...]
@@ -157,25 +224,58 @@ class Environment(Protocol):
         """One task for a warm-start demonstration of ``levels`` (``guided``: one that follows guidance)."""
 
     def eval_tasks(self, level: int, n: int) -> list[Task]:
-        """The first ``n`` held-out tasks of ``level``; the same list for the same environment seed."""
+        """The first ``n`` held-out tasks of ``level`` (fewer if the pool holds fewer); the same list for the same
+        environment seed."""
 
-    def execute(self, task: Task, action: Action | None) -> tuple[str, bool, bool]:
-        """Run one tool call: ``(observation, ok, done)``. Malformed calls return an error observation."""
+    def execute(self, task: Task, action: Action | None) -> tuple:
+        """Run one tool call: ``(observation, ok, done)``, or ``(observation, ok, done, user)`` to go on with
+        the next user message. ``action`` is ``None`` when the turn was not exactly one well-formed call."""
+
+    def start(self, task: Task) -> "Episode":
+        """A stateful environment's fresh episode of ``task`` (instead of :meth:`execute`)."""
 
     def reward(self, task: Task, steps: Sequence[Step]) -> float:
-        """The verifier: 1.0 for a correct final answer, else 0.0."""
+        """The verifier: a number in [0, 1]; 1.0 is a success."""
 
     def item_holds(self, task: Task, item: RubricItem, step: Step) -> bool:
         """Whether ``step`` achieves rubric ``item``."""
+
+
+class Episode(Protocol):
+    """One rollout's state in a stateful environment, opened by ``Environment.start(task)``. ``tools`` (optional):
+    the schemas this task offers, listed in its prompt (default: the environment's)."""
+
+    def execute(self, action: Action | None) -> tuple:
+        """Run one call on this episode's state: ``(observation, ok, done)`` or ``(observation, ok, done, user)``."""
+
+
+def _step(text: str, action: Action | None, run) -> Step:
+    """A Step from ``run()``'s ``(observation, ok, done[, next user message])``. A tool that raises, or returns
+    anything else, is a failed call with the observation ``error : tool failed`` and ``Step.error`` saying why
+    (counted as ``errors/tool``); the run goes on."""
+    try:
+        out = run()
+    except Exception as e:  # noqa: BLE001 - any tool failure is data, not a crash
+        return Step(text, action, ERR_TOOL_FAILED, False, False, error=f"raised {type(e).__name__}: {e}")
+    if not (isinstance(out, tuple) and len(out) in (3, 4) and isinstance(out[0], str)
+            and all(isinstance(x, (bool, int)) for x in out[1:3])
+            and (len(out) == 3 or out[3] is None or isinstance(out[3], str))):
+        return Step(text, action, ERR_TOOL_FAILED, False, False, error=f"returned {out!r:.200}")
+    obs, ok, done, *rest = out
+    return Step(text=text, action=action, observation=obs, ok=bool(ok), done=bool(done),
+                user=rest[0] if rest else None)
 
 
 class ToolRunner:
     """Adapts an environment to the rollout engine: parse an assistant turn in the model's tool-call format, run
     the tool, return a Step. ``tools`` (the environment's schemas) is what the chat template lists in the prompt;
     :meth:`render` / :meth:`inline` write an action the way the model does (reference turns, injected steps,
-    plans).
+    plans). :meth:`begin` opens one rollout: the runner itself for a stateless environment, an
+    :class:`EpisodeRunner` over a fresh ``start(task)`` for a stateful one.
 
-    A tool that raises becomes a failed tool call with an error observation; the run goes on.
+    A tool that raises, or returns anything but ``(observation string, ok, done)``, becomes a failed tool call
+    with the observation ``error : tool failed`` and ``Step.error`` saying why (counted as ``errors/tool``); the
+    run goes on.
     """
 
     def __init__(self, env: Environment, tool_format: str = "builtin"):
@@ -184,20 +284,57 @@ class ToolRunner:
         self.env = env
         self.format = get_format(tool_format)
         self.tools = list(env.tools())
+        self.named = bool(getattr(env, "named_arguments", False))
 
     def render(self, action: Action) -> str:
-        return self.format.render(action, self.tools)
+        return action.render() if action.tool == MESSAGE else self.format.render(action, self.tools)
 
     def inline(self, action: Action) -> str:
-        return self.format.inline(action, self.tools)
+        return action.render() if action.tool == MESSAGE else self.format.inline(action, self.tools)
+
+    def parse(self, text: str, tools: list[dict] | None = None) -> Action | None:
+        return self.format.parse(text, self.tools if tools is None else tools, self.named)
+
+    def begin(self, task: Task, steps: Sequence[Step] = ()) -> "ToolRunner | EpisodeRunner":
+        """The runner of one rollout of ``task`` that continues after ``steps`` (a copied prefix, empty for a fresh
+        rollout). A stateful environment's episode replays the prefix's actions, so its state is the prefix's."""
+        start = getattr(self.env, "start", None)
+        if start is None:
+            return self
+        ep = EpisodeRunner(self, start(task))
+        for st in steps:
+            _step(st.text, st.action, lambda a=st.action: ep.episode.execute(a))
+        return ep
 
     def step(self, task: Task, text: str) -> Step:
-        action = self.format.parse(text, self.tools)
-        try:
-            obs, ok, done = self.env.execute(task, action)
-        except Exception as e:  # noqa: BLE001 - any tool failure is data, not a crash
-            obs, ok, done = "error : tool failed", False, False
-        return Step(text=text, action=action, observation=obs, ok=ok, done=done)
+        action = self.parse(text)
+        return _step(text, action, lambda: self.env.execute(task, action))
+
+
+class EpisodeRunner:
+    """One rollout of a stateful environment: :class:`ToolRunner`'s parsing and rendering over one
+    :class:`Episode`. ``tools`` are the episode's own when it lists them (the task's tools, for the prompt)."""
+
+    def __init__(self, runner: ToolRunner, episode: Episode):
+        self.runner, self.episode = runner, episode
+        self.tools = getattr(episode, "tools", None) or runner.tools
+        self.render, self.inline = runner.render, runner.inline
+
+    def step(self, task: Task, text: str) -> Step:
+        action = self.runner.parse(text, self.tools)
+        return _step(text, action, lambda: self.episode.execute(action))
+
+
+def safe_reward(env: Environment, task: Task, steps: Sequence[Step]) -> tuple[float, str | None]:
+    """The verifier's reward, or ``(0.0, why)`` when it raised or returned anything but a finite number in
+    [0, 1]: one broken verdict costs its trajectory's reward, never the run (counted as ``errors/reward``)."""
+    try:
+        r = env.reward(task, steps)
+    except Exception as e:  # noqa: BLE001 - a verifier bug is data about that trajectory
+        return 0.0, f"raised {type(e).__name__}: {e}"
+    if not isinstance(r, numbers.Real) or not math.isfinite(r) or not 0.0 <= r <= 1.0:
+        return 0.0, f"returned {r!r:.200} (rewards are finite numbers in [0, 1])"
+    return float(r), None
 
 
 def words(text: str) -> list[str]:
@@ -211,6 +348,7 @@ def is_held_out(key: str) -> bool:
 
 
 ERR_MALFORMED = "error : malformed call"
+ERR_TOOL_FAILED = "error : tool failed"
 ERR_ANSWER_ARITY = "error : answer takes one value"
 ERR_TOOL = "error : unknown tool"
 
