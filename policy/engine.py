@@ -377,7 +377,7 @@ class TransformersEngine:
         A narrower split merges the current one back first; the last one is merged at the end of the turn.
         """
         n_alive = int(alive.sum())
-        need = max(n_alive, MIN_STEP_ROWS)
+        need = max(n_alive + 1, MIN_STEP_ROWS)  # + 1: a row that sits out keeps a hole in the step's mask
         current = len(ch.eps) if sub is None else len(sub.eps)
         if not (self.split_steps and ch.roomy and 2 * need <= current):
             return sub, rows
