@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from policy import kvcache, sampling
-from policy.engine import RolloutRequest, SamplingParams, TransformersEngine, _Chunk, sample_tokens
+from policy.engine import (EngineStats, Episode, RolloutRequest, SamplingParams, TransformersEngine, _Chunk,
+                           run_episodes, sample_tokens)
 from policy.sampling import draw_tokens
 from policy.model import build_tiny_model, load_policy, save_policy
 from policy.records import Guidance, Origin
@@ -234,6 +235,106 @@ def test_engine_cache_across_turns_matches_a_full_forward_pass(tok, model):
         trajs = TransformersEngine(model, r, batch_size=batch_size).generate(reqs, params, seed=11)
         assert len({t.n_turns for t in trajs}) >= 4  # episodes ended at different turns: rows were dropped
         assert all(_recomputed_logprobs_match(model, t) for t in trajs)
+
+
+def _reference_generate(model, renderer, requests, params, seed, batch_size, max_new_tokens=None):
+    """The transformers engine's sampling written out plainly, to check the engine against.
+
+    Episodes go in chunks of ``batch_size``; in each turn, each decode step gives every row of the chunk whose
+    episode is open a token: a row still in its turn gets one from its own logits, recomputed by a forward pass
+    over its whole context (no cache, no padding, no other rows), and a row that ended its turn gets one it
+    never uses, because the engine's generator draws for the whole chunk (``torch.multinomial`` over every row,
+    with any distribution for those rows). The multi-turn loop (prompts, tools, guidance, budget) is the one every
+    engine shares, ``run_episodes``."""
+    gen = torch.Generator().manual_seed(seed)
+    episodes = [Episode(q, renderer) for q in requests]
+    chunks = [episodes[i:i + batch_size] for i in range(0, len(episodes), batch_size)]
+    eot, vocab = renderer.end_of_turn, model.config.vocab_size
+
+    def turn(rows, budget):
+        sampled = [[] for _ in rows]
+        alive, cut = [True] * len(rows), [False] * len(rows)
+        for _ in range(params.max_tokens_per_turn):
+            n_alive = sum(alive)
+            if n_alive == 0:
+                break
+            if budget[0] < n_alive:
+                cut = list(alive)
+                break
+            logits = torch.zeros(len(rows), vocab)
+            for b, e in enumerate(rows):
+                if alive[b]:
+                    ids = torch.tensor([e.context() + [t for t, _ in sampled[b]]])
+                    logits[b] = model(input_ids=ids).logits[0, -1]
+            t = params.temperature if params.temperature > 0 else 1.0
+            logp = torch.log_softmax(logits / t, dim=-1)
+            if params.temperature > 0:
+                tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+            else:
+                tok = logp.argmax(-1)
+            for b in range(len(rows)):
+                if alive[b]:
+                    sampled[b].append((int(tok[b]), float(logp[b, tok[b]])))
+                    alive[b] = int(tok[b]) != eot
+            budget[0] -= n_alive
+        for b, e in enumerate(rows):
+            n = e.traj.n_turns
+            for t, lp in sampled[b]:
+                e.push(t, Origin.POLICY, lp, n)
+            e.traj.truncated |= cut[b]
+            if alive[b]:
+                e.push(eot, Origin.TOOL, 0.0, n)
+            e.pending_text = renderer.decode([t for t, _ in sampled[b] if t != eot])
+
+    def sample_turn(active, budget):
+        for ch in chunks:
+            rows = [e for e in ch if not e.finished]
+            if rows:
+                turn(rows, budget)
+
+    with torch.no_grad():
+        return run_episodes(episodes, renderer, params, max_new_tokens, sample_turn, EngineStats())
+
+
+def test_engine_samples_what_a_plain_per_step_decode_samples(tok, model):
+    """Every trajectory the engine returns (tokens, log-probs, origins, turns, ends) is the one the plain decode
+    above gives: with temperature 1 and 0.7 and greedy, a token budget that cuts turns, chunks of 1, 4 and many
+    episodes, guided steps, hints, plans and a branch from a prefix. The model ends its turns at many different
+    steps, so the engine's decode steps do leave out rows that ended their turn."""
+    hot = copy.deepcopy(model)
+    with torch.no_grad():
+        hot.model.embed_tokens.weight[tok.eos_token_id] *= 40
+    r = ChatRenderer(tok)
+    (src,) = TransformersEngine(model, r).generate(_requests(1, guidance=Guidance(inject="lookup(e1, mother)")),
+                                                   SamplingParams(1.0, max_tokens_per_turn=4, max_turns=4), seed=0)
+
+    def requests(n):
+        out = [RolloutRequest(task=_Task(), env=EndsAfter(2 + i % 3), system="lookup ( e1 , mother )", group=i)
+               for i in range(n)]
+        out[1:4] = [RolloutRequest(task=_Task(), env=ToyTools(), system="lookup ( e1 , mother )", prefix=src,
+                                   prefix_turns=1, guidance=Guidance(hint="hint : the boss")),
+                    RolloutRequest(task=_Task(), env=ToyTools(), system="lookup ( e1 , mother )",
+                                   guidance=Guidance(plan="hint : lookup ( e1 , mother )")),
+                    RolloutRequest(task=_Task(), env=EndsAfter(3), system="lookup ( e1 , mother )",
+                                   guidance=Guidance(inject="lookup(e1, mother)"))]
+        return out
+
+    for params, n, budget, batch_size in [(SamplingParams(1.0, max_tokens_per_turn=8, max_turns=4), 40, None, 40),
+                                          (SamplingParams(0.7, max_tokens_per_turn=8, max_turns=4), 40, 250, 36),
+                                          (SamplingParams(0.0, max_tokens_per_turn=6, max_turns=3), 8, None, 4),
+                                          (SamplingParams(1.0, max_tokens_per_turn=6, max_turns=3), 5, 40, 1)]:
+        want = _reference_generate(hot, r, requests(n), params, 3, batch_size, budget)
+        eng = TransformersEngine(hot, r, batch_size=batch_size)
+        got = eng.generate(requests(n), params, seed=3, max_new_tokens=budget)
+        if batch_size == 40:  # some decode steps did leave rows out
+            whole = TransformersEngine(hot, r, batch_size=batch_size, split_steps=False)
+            whole.generate(requests(n), params, seed=3, max_new_tokens=budget)
+            assert eng.stats.decode_rows < whole.stats.decode_rows
+        assert sum(t.n_generated for t in got) > n
+        for a, b in zip(want, got, strict=True):
+            assert (a.ids, a.origin, a.turn, a.turn_texts, a.truncated, a.done, a.n_generated) == \
+                   (b.ids, b.origin, b.turn, b.turn_texts, b.truncated, b.done, b.n_generated)
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
 def test_engine_split_steps_change_no_trajectory(tok, model, monkeypatch):
