@@ -20,7 +20,7 @@ except ImportError:  # older caches are used as the model returns them
 SPARE = 64
 
 
-class RoomyLayer(DynamicLayer or object):
+class RoomyLayer(DynamicLayer or object):  # (``object``: never built then, make_roomy declines)
     """A ``DynamicLayer`` whose keys and values are views into zero-filled buffers with room to grow.
 
     The room stays zero until written, so columns added for some rows only (:meth:`append_rows`) hold finite
