@@ -18,7 +18,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from policy.kvcache import make_roomy, merge_rows, split_rows
+from policy.kvcache import grouped_heads_in_place, make_roomy, merge_rows, split_rows
 from policy.records import Guidance, Origin, Trajectory
 from policy.sampling import sample_tokens
 from policy.tokenizer import ChatRenderer
@@ -327,7 +327,8 @@ class TransformersEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            return run_episodes(episodes, self.renderer, params, max_new_tokens, sample_turn, self.stats)
+            with grouped_heads_in_place(self.model):
+                return run_episodes(episodes, self.renderer, params, max_new_tokens, sample_turn, self.stats)
         finally:
             self.model.train(was_training)
 

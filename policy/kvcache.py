@@ -1,5 +1,5 @@
 """The transformers engine's KV cache: a ``DynamicCache`` whose layers grow in place and whose rows can be split
-off into a cache of their own and merged back.
+off into a cache of their own and merged back, and attention that reads its grouped key/value heads in place.
 
 ``DynamicLayer`` appends with ``torch.cat``, copying the whole cache in every layer at every decode step; a
 ``RoomyLayer`` keeps its keys and values as views into buffers with room to grow, so a step writes one column.
@@ -7,9 +7,11 @@ off into a cache of their own and merged back.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
+import torch.nn.functional as F
 
 try:  # transformers >= 4.56 keeps a DynamicCache's tensors in per-layer objects
     from transformers.cache_utils import DynamicLayer
@@ -94,3 +96,67 @@ def merge_rows(cache, sub, rows: torch.Tensor, start: int) -> None:
     as columns of zeros for the other rows."""
     for la, s in zip(cache.layers, sub.layers):
         la.append_rows(rows, s.keys[:, :, start:], s.values[:, :, start:])
+
+
+#: The attention implementation :func:`grouped_heads_in_place` switches a model to while the engine samples.
+IN_PLACE_GQA = "sdpa_gqa_in_place"
+_in_place_ok: bool | None = None  # registered, and gives the copying path's result on this torch (checked once)
+
+
+@contextlib.contextmanager
+def grouped_heads_in_place(model: torch.nn.Module):
+    """Within the block, a model on transformers' ``sdpa`` attention reads grouped-query key/value heads in place.
+
+    With an attention mask (the engine's always has holes: padding, rows that sat a step out), transformers copies
+    every key/value head once per query head that shares it (``repeat_kv``) before SDPA, in every layer at every
+    step: a copy of the whole cache that takes longer than the attention itself on a small model. SDPA's
+    ``enable_gqa`` reads the shared heads in place, as transformers already does when there is no mask; whether it
+    gives the copy's result to the bit is checked once, and the model is left as it is if not (or on a GPU, where
+    a mask with ``enable_gqa`` takes a slower kernel).
+    """
+    global _in_place_ok
+    cfg = getattr(model, "config", None)
+    use = (cfg is not None and getattr(cfg, "_attn_implementation", None) == "sdpa"
+           and getattr(model, "device", torch.device("cpu")).type == "cpu")
+    if use and _in_place_ok is None:
+        _in_place_ok = _register_in_place()
+    if not (use and _in_place_ok):
+        yield
+        return
+    cfg._attn_implementation = IN_PLACE_GQA
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = "sdpa"
+
+
+def _sdpa_in_place(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
+    """transformers' ``sdpa_attention_forward`` with a boolean mask and grouped heads, without the head copies."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (attention_mask is None or attention_mask.dtype != torch.bool or getattr(module, "num_key_value_groups", 1) == 1
+            or kw.get("position_bias") is not None or query.device.type != "cpu"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kw)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_in_place() -> bool:
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.integrations.sdpa_attention import repeat_kv
+    except ImportError:
+        return False
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, h, n, 32, generator=g) for h, n in ((4, 7), (2, 40), (2, 40)))
+    mask = torch.rand(5, 1, 7, 40, generator=g) > 0.3
+    mask[..., 0] = True
+    want = F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=mask)
+    if not torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), want):
+        return False
+    AttentionInterface.register(IN_PLACE_GQA, _sdpa_in_place)
+    AttentionMaskInterface.register(IN_PLACE_GQA, sdpa_mask)  # the masks transformers makes for sdpa
+    return True

@@ -377,6 +377,23 @@ def test_engine_split_steps_change_no_trajectory(tok, model, monkeypatch):
                    (b.ids, b.logprobs, b.origin, b.turn, b.turn_texts, b.truncated, b.done, b.n_generated)
 
 
+def test_grouped_heads_in_place_change_no_logit(tok, model):
+    """While the engine samples, attention reads grouped key/value heads in place instead of copying them (SDPA's
+    enable_gqa): with a padding mask, every real position's logits are bit for bit the copying path's, and the
+    model's attention implementation is back to sdpa afterwards."""
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped heads
+    ids = torch.randint(4, len(tok), (6, 10), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones(6, 10, dtype=torch.long)
+    attn[3:, :4] = 0
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=attn).logits
+        with kvcache.grouped_heads_in_place(model):
+            assert model.config._attn_implementation == kvcache.IN_PLACE_GQA
+            got = model(input_ids=ids, attention_mask=attn).logits
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(got[attn.bool()], want[attn.bool()])
+
+
 def test_split_step_logits_are_the_whole_chunks(tok, model):
     """A decode step on rows split off a chunk gives each row bit for bit the logits the whole chunk's step gives
     it, also when none of the rows still sampling has a masked column: transformers would then drop the mask and
