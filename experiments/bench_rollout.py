@@ -3,7 +3,7 @@
 # engine beside it; then packed against padded training passes on warm-start batches, and a training step's time
 # split into generate / score / controller / update (built-in model only).
 # Run: .venv/bin/python experiments/bench_rollout.py [--batch 64 128 256] [--steps 5] [--repeats 5]
-#      .venv/bin/python experiments/bench_rollout.py --skip-train --threads 1 --clock cpu --repeats 3  (shared machine)
+#      .venv/bin/python experiments/bench_rollout.py --skip-train --threads 1 --clock cpu --repeats 5  (shared machine)
 #      .venv/bin/python experiments/bench_rollout.py --engine transformers vllm --batch 64 128 --skip-train
 #      .venv/bin/python experiments/make_tiny_model.py /tmp/qwen75m --hidden 768 --layers 12 --heads 12 \
 #          --kv-heads 4 --intermediate 2048 && .venv/bin/python experiments/bench_rollout.py --model /tmp/qwen75m \
