@@ -2,7 +2,8 @@
 # model's raw batched decode rate on the same shapes (the ceiling for that engine) and, with --engine vllm, the vLLM
 # engine beside it; then packed against padded training passes on warm-start batches, and a training step's time
 # split into generate / score / controller / update (built-in model only).
-# Run: .venv/bin/python experiments/bench_rollout.py [--batch 64 128 256] [--steps 5]
+# Run: .venv/bin/python experiments/bench_rollout.py [--batch 64 128 256] [--steps 5] [--repeats 5]
+#      .venv/bin/python experiments/bench_rollout.py --skip-train --threads 1 --clock cpu --repeats 5  (shared machine)
 #      .venv/bin/python experiments/bench_rollout.py --engine transformers vllm --batch 64 128 --skip-train
 #      .venv/bin/python experiments/make_tiny_model.py /tmp/qwen75m --hidden 768 --layers 12 --heads 12 \
 #          --kv-heads 4 --intermediate 2048 && .venv/bin/python experiments/bench_rollout.py --model /tmp/qwen75m \
@@ -27,12 +28,16 @@ from rail.config import build_config, validate
 from rail.envs import ToolRunner, make_env
 from rail.policy_setup import make_policy
 
+#: What the rollout rates are timed with: wall-clock time, or with --clock cpu this process's CPU time (at one
+#: thread, the work itself, whatever else the machine runs).
+clock = time.perf_counter
+
 
 @torch.no_grad()
-def raw_decode_rate(model, batch: int, context: int, new_tokens: int, pad: int) -> float:
+def raw_decode_rate(model, batch: int, context: int, new_tokens: int) -> float:
     """Tokens/s of a bare prefill + ``new_tokens`` cached decode steps at batch ``batch`` (no sampling, no tools)."""
     ids = torch.full((batch, context), 5, dtype=torch.long)
-    t = time.perf_counter()
+    t = clock()
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     cache = getattr(out, "cache", None) or out.past_key_values
     kw = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
@@ -41,7 +46,7 @@ def raw_decode_rate(model, batch: int, context: int, new_tokens: int, pad: int) 
         out = model(input_ids=tok, use_cache=True, **{kw: cache})
         cache = getattr(out, "cache", None) or out.past_key_values
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
-    return batch * new_tokens / (time.perf_counter() - t)
+    return batch * new_tokens / (clock() - t)
 
 
 def packed_vs_padded(model, renderer, envs, cfg, batches: int = 8, repeats: int = 3) -> dict:
@@ -70,12 +75,31 @@ def packed_vs_padded(model, renderer, envs, cfg, batches: int = 8, repeats: int 
 
 
 def engine_rate(eng, reqs, params) -> tuple[float, list]:
-    """Tokens/s of one ``generate`` over ``reqs`` (after a warm-up on a few of them), and the trajectories."""
-    eng.generate(reqs[:8], params, seed=0)  # warm-up
+    """Tokens/s of one ``generate`` over ``reqs`` (the same seed every time, so the same tokens), and the
+    trajectories."""
     eng.stats.__init__()
-    t = time.perf_counter()
+    t = clock()
     trajs = eng.generate(reqs, params, seed=1)
-    return sum(tr.n_generated for tr in trajs) / (time.perf_counter() - t), trajs
+    return sum(tr.n_generated for tr in trajs) / (clock() - t), trajs
+
+
+def transformers_rates(eng, model, reqs, params, repeats: int) -> dict:
+    """The engine's tokens/s and the raw decode rate on the same shapes, timed alternately ``repeats`` times: the
+    medians, and the median of each pair's share (load from elsewhere on a shared machine then slows both sides
+    of a pair alike)."""
+    eng.generate(reqs[:8], params, seed=0)  # warm-up
+    rates, ceilings = [], []
+    for _ in range(repeats):
+        rate, trajs = engine_rate(eng, reqs, params)
+        gen = sum(tr.n_generated for tr in trajs)
+        ctx = int(sum(len(tr.prompt_ids) + len(tr.ids) for tr in trajs) / len(trajs))
+        rates.append(rate)
+        ceilings.append(raw_decode_rate(model, len(reqs), ctx // 2, max(1, gen // len(reqs))))
+    return {"engine_tokens_per_s": round(float(np.median(rates)), 1),
+            "raw_decode_tokens_per_s": round(float(np.median(ceilings)), 1),
+            "engine_share_of_ceiling": round(float(np.median(np.array(rates) / np.array(ceilings))), 3),
+            "generated_tokens": gen, "forward_calls": eng.stats.forward_calls,
+            "tool_seconds": round(eng.stats.tool_seconds, 4), "mean_context": ctx}
 
 
 def main() -> None:
@@ -89,7 +113,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="training steps for the time split")
     ap.add_argument("--skip-train", action="store_true", help="only the rollout engines")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="time the transformers engine and the raw decode this many times, alternately, and "
+                         "report medians (on a shared machine)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time the rollout rates by wall clock or by this process's CPU time (use with --threads 1; "
+                         "not for --engine vllm, whose work runs in other processes)")
     a = ap.parse_args()
+    global clock
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
     if a.threads:
         torch.set_num_threads(a.threads)
     sets = [{"tracking": {"uri": ""}, "rollout": {"tool_format": a.tool_format or ("hermes" if a.model else "builtin")}}]
@@ -120,16 +152,10 @@ def main() -> None:
                                            system=envs[fam].system_prompt()))
             r = {"batch": B, "model_parameters": sum(p.numel() for p in model.parameters())}
             if "transformers" in a.engine:
-                eng = TransformersEngine(model, renderer, batch_size=B)
-                rate, trajs = engine_rate(eng, reqs, params)
-                gen = sum(tr.n_generated for tr in trajs)
-                ctx = int(sum(len(tr.prompt_ids) + len(tr.ids) for tr in trajs) / len(trajs))
-                ceiling = raw_decode_rate(model, B, ctx // 2, max(1, gen // B), renderer.pad)
-                r.update({"engine_tokens_per_s": round(rate, 1), "raw_decode_tokens_per_s": round(ceiling, 1),
-                          "engine_share_of_ceiling": round(rate / ceiling, 3), "generated_tokens": gen,
-                          "forward_calls": eng.stats.forward_calls, "tool_seconds": round(eng.stats.tool_seconds, 4),
-                          "mean_context": ctx})
+                r.update(transformers_rates(TransformersEngine(model, renderer, batch_size=B), model, reqs, params,
+                                            a.repeats))
             if vllm_engine is not None:
+                vllm_engine.generate(reqs[:8], params, seed=0)  # warm-up
                 rate, trajs = engine_rate(vllm_engine, reqs, params)
                 r.update({"vllm_tokens_per_s": round(rate, 1),
                           "vllm_generated_tokens": sum(tr.n_generated for tr in trajs)})
@@ -141,7 +167,7 @@ def main() -> None:
         if vllm_engine is not None:
             vllm_engine.close()
     if a.skip_train or a.model:
-        print(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        print(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {a.clock} clock",
                           "rollout": results}))
         return
 
@@ -164,7 +190,7 @@ def main() -> None:
     step = {"step_seconds": round(tot / a.steps, 3),
             **{f"{k}_share": round(v / tot, 3) for k, v in split.items()}}
     print(json.dumps(step), flush=True)
-    print(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+    print(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {a.clock} clock",
                       "rollout": results, "packing": packing, "train_step": step}))
 
 

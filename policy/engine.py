@@ -18,7 +18,9 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from policy.kvcache import grouped_heads_in_place, make_roomy, merge_rows, split_rows
 from policy.records import Guidance, Origin, Trajectory
+from policy.sampling import sample_tokens
 from policy.tokenizer import ChatRenderer
 
 
@@ -55,6 +57,7 @@ class RolloutRequest:
 class EngineStats:
     generated_tokens: int = 0
     forward_calls: int = 0
+    decode_rows: int = 0  # rows the decode steps ran on (a row that sat a step out is not counted)
     seconds: float = 0.0
     tool_seconds: float = 0.0
 
@@ -70,30 +73,6 @@ class RolloutEngine(Protocol):
         max_new_tokens: int | None = None,
     ) -> list[Trajectory]:
         """Generate one trajectory per request; never sample more than ``max_new_tokens`` in total."""
-
-
-def sample_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return (tokens (B,), behaviour log-probs (B,)).
-
-    The recorded log-prob is log softmax(logits / T) of the sampled token (T = 1 when greedy), i.e. the
-    distribution the learner recomputes; top-p only restricts which tokens can be drawn.
-    """
-    logits = logits.float()  # (B, V)
-    t = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits / t, dim=-1)  # (B, V)
-    if temperature <= 0:
-        tok = logp.argmax(dim=-1)
-    else:
-        probs = logp.exp()
-        if top_p < 1.0:
-            sp, si = probs.sort(dim=-1, descending=True)
-            keep = sp.cumsum(dim=-1) - sp < top_p  # always keeps the top token
-            sp = sp * keep
-            probs = torch.zeros_like(probs).scatter(-1, si, sp)
-        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
 class Episode:
@@ -228,6 +207,9 @@ class _Chunk:
     sits out (it ended its turn early) are masked, so the cache has holes that no row ever attends to; position
     ids are each row's own token count, so a row sees exactly its unpadded context. Rows whose episode finished
     are dropped from the cache between turns.
+
+    With transformers' per-layer ``DynamicCache`` (``roomy``), the cache grows in place and a turn's last decode
+    steps can run on some of the rows only (:meth:`split`, :meth:`merge`).
     """
 
     def __init__(self, episodes: list[Episode]):
@@ -235,6 +217,16 @@ class _Chunk:
         self.cache = None
         self.attn: torch.Tensor | None = None  # (B, cache length), 1 where the cache holds a real token
         self.fed = [0] * len(episodes)
+        self.roomy = False
+
+    def adopt(self, cache, room: int) -> None:
+        """Take the cache the first forward returned (with ``room`` spare columns if it can grow in place)."""
+        self.cache, self.roomy = cache, make_roomy(cache, room)
+
+    def reserve(self, extra: int) -> None:
+        if self.roomy:
+            for la in self.cache.layers:
+                la.reserve(extra)
 
     def compact(self) -> None:
         """Drop the rows whose episode finished, from the episodes and from the cache."""
@@ -246,7 +238,7 @@ class _Chunk:
         if self.cache is None:  # nothing fed yet (an injected step ended the episode before any sampling)
             return
         if not keep:
-            self.cache, self.attn = None, None
+            self.cache, self.attn, self.roomy = None, None, False
             return
         idx = torch.tensor(keep, device=self.attn.device)
         self.cache.batch_select_indices(idx)
@@ -255,10 +247,37 @@ class _Chunk:
         used = self.attn.any(dim=0).nonzero()
         first = int(used[0]) if len(used) else 0
         layers = getattr(self.cache, "layers", None)  # transformers 5's DynamicCache; older caches keep them all
-        if first > 0 and layers is not None and all(getattr(la, "keys", None) is not None for la in layers):
+        if first > 0 and self.roomy:
+            for layer in layers:
+                layer.drop_leading(first)
+            self.attn = self.attn[:, first:]
+        elif first > 0 and layers is not None and all(getattr(la, "keys", None) is not None for la in layers):
             for layer in layers:
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
             self.attn = self.attn[:, first:]
+
+    def split(self, rows: torch.Tensor, room: int) -> "_Chunk":
+        """A chunk of copies of ``rows``' cache and mask, for decode steps the other rows sit out."""
+        sub = _Chunk([self.eps[b] for b in rows.tolist()])
+        sub.cache, sub.attn, sub.roomy = split_rows(self.cache, rows, room), self.attn[rows], True
+        return sub
+
+    def merge(self, sub: "_Chunk", rows: torch.Tensor) -> None:
+        """Append the columns ``sub`` (split from ``rows``) added, masked for the other rows."""
+        n = self.attn.shape[1]
+        if sub.attn.shape[1] == n:
+            return
+        rows = rows.to(self.attn.device)
+        merge_rows(self.cache, sub.cache, rows, n)
+        new = self.attn.new_zeros((self.attn.shape[0], sub.attn.shape[1] - n))
+        new[rows] = sub.attn[:, n:]
+        self.attn = torch.cat([self.attn, new], dim=1)
+
+
+#: The fewest rows a decode step runs on when it leaves out the rows that ended their turn. Below about 16 rows
+#: the BLAS takes other kernels (MKL: a linear layer's rows then round differently than in a larger batch), so a
+#: smaller step would not give each row bit for bit the logits the whole chunk gives it.
+MIN_STEP_ROWS = 16
 
 
 class TransformersEngine:
@@ -267,12 +286,20 @@ class TransformersEngine:
     Each chunk of up to ``batch_size`` episodes keeps its cache from the first prompt token to the end of its
     episodes: a turn feeds only what is new (the tool observation and the next turn's header), so a rollout's
     context is encoded once instead of once per turn. Finished episodes leave the cache between turns.
+
+    Within a turn, once enough rows have written their end-of-turn token, the remaining decode steps run on the
+    rows still sampling (at least ``MIN_STEP_ROWS``), on a copy of their cache rows that is merged back at the end
+    of the turn, and only those rows are sampled; the generator still draws for the whole chunk, so the random
+    stream, and every sampled token and log-prob, is the one every row in every step would give
+    (``split_steps=False`` keeps every row in every step).
     """
 
-    def __init__(self, model: torch.nn.Module, renderer: ChatRenderer, batch_size: int = 256):
+    def __init__(self, model: torch.nn.Module, renderer: ChatRenderer, batch_size: int = 256,
+                 split_steps: bool = True):
         self.model = model
         self.renderer = renderer
         self.batch_size = batch_size
+        self.split_steps = split_steps
         self.stats = EngineStats()
         # transformers >= 5.2x renamed the cache argument; take whichever this version's forward accepts
         params = inspect.signature(model.forward).parameters
@@ -300,7 +327,8 @@ class TransformersEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            return run_episodes(episodes, self.renderer, params, max_new_tokens, sample_turn, self.stats)
+            with grouped_heads_in_place(self.model):
+                return run_episodes(episodes, self.renderer, params, max_new_tokens, sample_turn, self.stats)
         finally:
             self.model.train(was_training)
 
@@ -309,18 +337,22 @@ class TransformersEngine:
         cache = getattr(out, "cache", None)
         return cache if cache is not None else out.past_key_values
 
-    def _forward(self, ch: _Chunk, input_ids, new_attn, pos) -> torch.Tensor:
+    def _forward(self, ch: _Chunk, input_ids, new_attn, pos, room: int = 0) -> torch.Tensor:
         """Append ``input_ids`` (B, S) to the chunk's cache; return the last position's logits (B, V)."""
         ch.attn = new_attn if ch.attn is None else torch.cat([ch.attn, new_attn], dim=1)
         kw = {} if ch.cache is None else {self._cache_kw: ch.cache}
         out = self.model(input_ids=input_ids, attention_mask=ch.attn, position_ids=pos, use_cache=True,
                          logits_to_keep=1, **kw)
         self.stats.forward_calls += 1
-        ch.cache = self._cache_of(out)
+        if ch.cache is None:
+            ch.adopt(self._cache_of(out), room)
+        else:
+            ch.cache = self._cache_of(out)
         return out.logits[:, -1]
 
-    def _feed_pending(self, ch: _Chunk, device) -> torch.Tensor:
-        """Feed every row's context beyond ``fed`` (left-padded); return the next-token logits (B, V)."""
+    def _feed_pending(self, ch: _Chunk, device, room: int) -> torch.Tensor:
+        """Feed every row's context beyond ``fed`` (left-padded); return the next-token logits (B, V). The cache
+        gets room for ``room`` more columns after the feed."""
         pend = [e.context()[f:] for e, f in zip(ch.eps, ch.fed)]
         B, S = len(pend), max(len(p) for p in pend)
         ids = torch.full((B, S), self.renderer.pad, dtype=torch.long)
@@ -333,7 +365,28 @@ class TransformersEngine:
             pos[b, S - n:] = torch.arange(ch.fed[b], ch.fed[b] + n)
             pos[b, : S - n] = ch.fed[b]  # padding: masked, any position will do
             ch.fed[b] += n
-        return self._forward(ch, ids.to(device), attn.to(device), pos.to(device))
+        ch.reserve(S + room)
+        return self._forward(ch, ids.to(device), attn.to(device), pos.to(device), room)
+
+    def _step_rows(self, ch: _Chunk, sub: _Chunk | None, rows: torch.Tensor | None, alive: torch.Tensor,
+                   room: int):
+        """The rows the next decode step runs on: all of the chunk (``sub`` None) or a split-off part of it.
+
+        A step leaves rows out once at most half of those in the current step are needed: the rows still
+        sampling, and at least one that sits out, so the step's mask has a hole as the whole chunk's has
+        (transformers drops an all-ones mask and takes another attention path), filled up to MIN_STEP_ROWS.
+        A narrower split merges the current one back first; the last one is merged at the end of the turn.
+        """
+        n_alive = int(alive.sum())
+        need = max(n_alive + 1, MIN_STEP_ROWS)  # + 1: a row that sits out keeps a hole in the step's mask
+        current = len(ch.eps) if sub is None else len(sub.eps)
+        if not (self.split_steps and ch.roomy and 2 * need <= current):
+            return sub, rows
+        if sub is not None:
+            ch.merge(sub, rows)
+        out = (~alive).nonzero()[:, 0]
+        rows = torch.cat([alive.nonzero()[:, 0], out[: need - n_alive]]).sort().values
+        return ch.split(rows.to(ch.attn.device), room), rows
 
     def _sample_turn(self, ch: _Chunk, params: SamplingParams, gen: torch.Generator, budget: list) -> None:
         """Sample one assistant turn for each episode of the chunk, stopping at end-of-turn.
@@ -344,13 +397,15 @@ class TransformersEngine:
         """
         device = next(self.model.parameters()).device
         eps = ch.eps
-        logits = self._feed_pending(ch, device)
+        logits = self._feed_pending(ch, device, params.max_tokens_per_turn)
         B = len(eps)
         alive = torch.ones(B, dtype=torch.bool)  # rows still sampling their turn
         cut = torch.zeros(B, dtype=torch.bool)  # rows the token budget stopped mid-turn
         fed = torch.tensor(ch.fed)
         toks, lps, live = [], [], []  # per decode step: (B,) tokens, log-probs, rows that sampled
         eot, pad = self.renderer.end_of_turn, self.renderer.pad
+        sub, rows = None, None  # the split-off rows the decode steps run on, if any
+        logit_rows = None  # the rows ``logits`` holds (None: all)
         for k in range(params.max_tokens_per_turn):
             n_alive = int(alive.sum())
             if n_alive == 0:
@@ -358,18 +413,33 @@ class TransformersEngine:
             if budget[0] < n_alive:
                 cut = alive.clone()
                 break
-            tok, lp = sample_tokens(logits, params.temperature, params.top_p, gen)
-            tok, lp = tok.cpu(), lp.cpu()
+            at = alive.nonzero()[:, 0]  # only these rows are sampled; the generator draws for all B
+            if logit_rows is None:
+                x = logits if n_alive == B else logits[at.to(logits.device)]
+            else:
+                x = logits[torch.searchsorted(logit_rows, at).to(logits.device)]
+            tok_at, lp_at = sample_tokens(x, params.temperature, params.top_p, gen, at, B)
+            tok, lp = torch.full((B,), pad), torch.zeros(B)
+            tok[at], lp[at] = tok_at.cpu(), lp_at.cpu()
             toks.append(tok), lps.append(lp), live.append(alive)
             budget[0] -= n_alive
             self.stats.generated_tokens += n_alive
             alive = alive & (tok != eot)
             if k == params.max_tokens_per_turn - 1 or not bool(alive.any()):
                 break
+            sub, rows = self._step_rows(ch, sub, rows, alive, params.max_tokens_per_turn - 1 - k)
             step_in = torch.where(alive, tok, torch.full_like(tok, pad))[:, None]  # (B, 1)
             pos = fed[:, None].clone()  # (B, 1)
             fed += alive.long()
-            logits = self._forward(ch, step_in.to(device), alive.long()[:, None].to(device), pos.to(device))
+            step_attn = alive.long()[:, None]
+            if sub is None:
+                logits = self._forward(ch, step_in.to(device), step_attn.to(device), pos.to(device))
+            else:
+                logits = self._forward(sub, step_in[rows].to(device), step_attn[rows].to(device), pos[rows].to(device))
+            logit_rows = rows
+            self.stats.decode_rows += B if rows is None else len(rows)
+        if sub is not None:
+            ch.merge(sub, rows)
         ch.fed = fed.tolist()
         T = torch.stack(toks, 1).tolist() if toks else [[] for _ in range(B)]  # (B, steps)
         P = torch.stack(lps, 1).tolist() if toks else T

@@ -69,6 +69,7 @@ class ChatRenderer:
         last = len(self._dummy_ids) - 1 - self._dummy_ids[::-1].index(self.end_of_turn)
         self._after_turn = self._dummy_ids[last + 1:]
         self._prompts: dict = {}
+        self._suffixes: dict[tuple[str, str | None], list[int]] = {}
 
     def _ids(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
         kw = {"tools": tools} if tools else {}
@@ -94,8 +95,16 @@ class ChatRenderer:
     def tool_suffix(self, observation: str, user: str | None = None) -> list[int]:
         """Tokens after an assistant turn's end: the tool message and the next assistant header. ``user``: the
         environment went on to its next user message instead (a conversation of several user turns), which
-        takes the tool message's place."""
-        return self._suffix_many(_after_turn(observation, user))
+        takes the tool message's place.
+
+        Observations repeat (an entity, a number, an error message) and rendering the template is a good part of
+        a rollout's time on a small model, so suffixes are kept like prompts."""
+        key = (observation, user)
+        if key not in self._suffixes:
+            if len(self._suffixes) >= 4096:
+                self._suffixes.clear()
+            self._suffixes[key] = self._suffix_many(_after_turn(observation, user))
+        return list(self._suffixes[key])
 
     def _suffix_many(self, messages: list[dict]) -> list[int]:
         full = self._ids([*self._dummy, *messages], generation_prompt=True)

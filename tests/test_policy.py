@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from policy.engine import RolloutRequest, SamplingParams, TransformersEngine, sample_tokens
+from policy import kvcache, sampling
+from policy.engine import (EngineStats, Episode, RolloutRequest, SamplingParams, TransformersEngine, _Chunk,
+                           run_episodes, sample_tokens)
+from policy.sampling import draw_tokens
 from policy.model import build_tiny_model, load_policy, save_policy
 from policy.records import Guidance, Origin
 from policy.tokenizer import ChatRenderer, build_word_tokenizer, split_inserted
@@ -93,6 +97,31 @@ def test_sampling_top_p_and_greedy():
     assert set(tok.tolist()) == {0}
     tok, _ = sample_tokens(logits, 1.0, 1.0, g)
     assert set(tok.tolist()) == {0, 1} or len(set(tok.tolist())) > 1
+
+
+def test_draw_tokens_is_torch_multinomial(monkeypatch):
+    """The CPU sampler draws torch.multinomial's tokens and leaves the generator where torch.multinomial does, for
+    all of a batch's rows or some of them, also where close calls are decided on the exact noise; bad
+    probabilities fail as they do in torch."""
+    g = torch.Generator().manual_seed(0)
+    for near in (sampling._NEAR, 0.9):  # 0.9: nearly every row is a close call
+        monkeypatch.setattr(sampling, "_NEAR", near)
+        for trial in range(16):
+            probs = torch.softmax(torch.randn(24, 300, generator=g) * (trial % 4), dim=-1)
+            if trial % 3 == 0:
+                probs[:, 50:] = 0  # as top-p leaves a row
+            a, b = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+            want = torch.multinomial(probs, 1, generator=a)[:, 0]
+            if trial % 2:
+                rows = torch.arange(trial % 5, 24, 3)
+                assert torch.equal(draw_tokens(probs[rows], b, rows, 24), want[rows])
+            else:
+                assert torch.equal(draw_tokens(probs, b), want)
+            assert torch.equal(a.get_state(), b.get_state())
+    assert sampling._fast_draw  # this torch draws the way draw_tokens reproduces
+    for bad in ([[0.5, float("nan")]], [[0.0, 0.0]], [[-0.1, 1.0]]):
+        with pytest.raises(RuntimeError):
+            draw_tokens(torch.tensor(bad), torch.Generator())
 
 
 def _requests(n, **kw):
@@ -206,3 +235,186 @@ def test_engine_cache_across_turns_matches_a_full_forward_pass(tok, model):
         trajs = TransformersEngine(model, r, batch_size=batch_size).generate(reqs, params, seed=11)
         assert len({t.n_turns for t in trajs}) >= 4  # episodes ended at different turns: rows were dropped
         assert all(_recomputed_logprobs_match(model, t) for t in trajs)
+
+
+def _reference_generate(model, renderer, requests, params, seed, batch_size, max_new_tokens=None):
+    """The transformers engine's sampling written out plainly, to check the engine against.
+
+    Episodes go in chunks of ``batch_size``; in each turn, each decode step gives every row of the chunk whose
+    episode is open a token: a row still in its turn gets one from its own logits, recomputed by a forward pass
+    over its whole context (no cache, no padding, no other rows), and a row that ended its turn gets one it
+    never uses, because the engine's generator draws for the whole chunk (``torch.multinomial`` over every row,
+    with any distribution for those rows). The multi-turn loop (prompts, tools, guidance, budget) is the one every
+    engine shares, ``run_episodes``."""
+    gen = torch.Generator().manual_seed(seed)
+    episodes = [Episode(q, renderer) for q in requests]
+    chunks = [episodes[i:i + batch_size] for i in range(0, len(episodes), batch_size)]
+    eot, vocab = renderer.end_of_turn, model.config.vocab_size
+
+    def turn(rows, budget):
+        sampled = [[] for _ in rows]
+        alive, cut = [True] * len(rows), [False] * len(rows)
+        for _ in range(params.max_tokens_per_turn):
+            n_alive = sum(alive)
+            if n_alive == 0:
+                break
+            if budget[0] < n_alive:
+                cut = list(alive)
+                break
+            logits = torch.zeros(len(rows), vocab)
+            for b, e in enumerate(rows):
+                if alive[b]:
+                    ids = torch.tensor([e.context() + [t for t, _ in sampled[b]]])
+                    logits[b] = model(input_ids=ids).logits[0, -1]
+            t = params.temperature if params.temperature > 0 else 1.0
+            logp = torch.log_softmax(logits / t, dim=-1)
+            if params.temperature > 0:
+                tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+            else:
+                tok = logp.argmax(-1)
+            for b in range(len(rows)):
+                if alive[b]:
+                    sampled[b].append((int(tok[b]), float(logp[b, tok[b]])))
+                    alive[b] = int(tok[b]) != eot
+            budget[0] -= n_alive
+        for b, e in enumerate(rows):
+            n = e.traj.n_turns
+            for t, lp in sampled[b]:
+                e.push(t, Origin.POLICY, lp, n)
+            e.traj.truncated |= cut[b]
+            if alive[b]:
+                e.push(eot, Origin.TOOL, 0.0, n)
+            e.pending_text = renderer.decode([t for t, _ in sampled[b] if t != eot])
+
+    def sample_turn(active, budget):
+        for ch in chunks:
+            rows = [e for e in ch if not e.finished]
+            if rows:
+                turn(rows, budget)
+
+    with torch.no_grad():
+        return run_episodes(episodes, renderer, params, max_new_tokens, sample_turn, EngineStats())
+
+
+def test_engine_samples_what_a_plain_per_step_decode_samples(tok, model):
+    """Every trajectory the engine returns (tokens, log-probs, origins, turns, ends) is the one the plain decode
+    above gives: with temperature 1 and 0.7 and greedy, a token budget that cuts turns, chunks of 1, 4 and many
+    episodes, guided steps, hints, plans and a branch from a prefix. The model ends its turns at many different
+    steps, so the engine's decode steps do leave out rows that ended their turn."""
+    hot = copy.deepcopy(model)
+    with torch.no_grad():
+        hot.model.embed_tokens.weight[tok.eos_token_id] *= 40
+    r = ChatRenderer(tok)
+    (src,) = TransformersEngine(model, r).generate(_requests(1, guidance=Guidance(inject="lookup(e1, mother)")),
+                                                   SamplingParams(1.0, max_tokens_per_turn=4, max_turns=4), seed=0)
+
+    def requests(n):
+        out = [RolloutRequest(task=_Task(), env=EndsAfter(2 + i % 3), system="lookup ( e1 , mother )", group=i)
+               for i in range(n)]
+        out[1:4] = [RolloutRequest(task=_Task(), env=ToyTools(), system="lookup ( e1 , mother )", prefix=src,
+                                   prefix_turns=1, guidance=Guidance(hint="hint : the boss")),
+                    RolloutRequest(task=_Task(), env=ToyTools(), system="lookup ( e1 , mother )",
+                                   guidance=Guidance(plan="hint : lookup ( e1 , mother )")),
+                    RolloutRequest(task=_Task(), env=EndsAfter(3), system="lookup ( e1 , mother )",
+                                   guidance=Guidance(inject="lookup(e1, mother)"))]
+        return out
+
+    for params, n, budget, batch_size in [(SamplingParams(1.0, max_tokens_per_turn=8, max_turns=4), 40, None, 40),
+                                          (SamplingParams(0.7, max_tokens_per_turn=8, max_turns=4), 40, 250, 36),
+                                          (SamplingParams(0.0, max_tokens_per_turn=6, max_turns=3), 8, None, 4),
+                                          (SamplingParams(1.0, max_tokens_per_turn=6, max_turns=3), 5, 40, 1)]:
+        want = _reference_generate(hot, r, requests(n), params, 3, batch_size, budget)
+        eng = TransformersEngine(hot, r, batch_size=batch_size)
+        got = eng.generate(requests(n), params, seed=3, max_new_tokens=budget)
+        if batch_size == 40:  # some decode steps did leave rows out
+            whole = TransformersEngine(hot, r, batch_size=batch_size, split_steps=False)
+            whole.generate(requests(n), params, seed=3, max_new_tokens=budget)
+            assert eng.stats.decode_rows < whole.stats.decode_rows
+        assert sum(t.n_generated for t in got) > n
+        for a, b in zip(want, got, strict=True):
+            assert (a.ids, a.origin, a.turn, a.turn_texts, a.truncated, a.done, a.n_generated) == \
+                   (b.ids, b.origin, b.turn, b.turn_texts, b.truncated, b.done, b.n_generated)
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_engine_split_steps_change_no_trajectory(tok, model, monkeypatch):
+    """Decode steps that leave out the rows which ended their turn (their cache rows split off and merged back),
+    the cache that grows in place and the CPU sampler are optimisations only: every trajectory, token for token
+    and log-prob for log-prob, is the one the plain path gives (every row in every step of a DynamicCache,
+    torch.multinomial drawing), with temperature, greedy, a token budget, chunks and guidance."""
+    hot = copy.deepcopy(model)
+    with torch.no_grad():  # turns end at different steps, most of them early, so steps do get split
+        hot.model.embed_tokens.weight[tok.eos_token_id] *= 40
+    r = ChatRenderer(tok)
+    (src,) = TransformersEngine(model, r).generate(_requests(1, guidance=Guidance(inject="lookup(e1, mother)")),
+                                                   SamplingParams(1.0, max_tokens_per_turn=4, max_turns=4), seed=0)
+
+    def requests():
+        out = [RolloutRequest(task=_Task(), env=EndsAfter(2 + i % 3), system="lookup ( e1 , mother )", group=i)
+               for i in range(44)]
+        out += [RolloutRequest(task=_Task(), env=ToyTools(), system="lookup ( e1 , mother )", prefix=src,
+                               prefix_turns=1, guidance=Guidance(hint="hint : the boss")),
+                RolloutRequest(task=_Task(), env=ToyTools(), system="lookup ( e1 , mother )",
+                               guidance=Guidance(plan="hint : lookup ( e1 , mother )")),
+                RolloutRequest(task=_Task(), env=EndsAfter(3), system="lookup ( e1 , mother )",
+                               guidance=Guidance(inject="lookup(e1, mother)"))]
+        return out
+
+    for params, budget, batch_size in [(SamplingParams(1.0, max_tokens_per_turn=8, max_turns=4), None, 47),
+                                       (SamplingParams(0.7, max_tokens_per_turn=8, max_turns=4), 400, 36),
+                                       (SamplingParams(0.0, max_tokens_per_turn=8, max_turns=4), None, 47)]:
+        with monkeypatch.context() as m:
+            m.setattr(sampling, "_fast_draw", False)
+            m.setattr(kvcache, "DynamicLayer", None)  # the model's own DynamicCache, which cannot be split
+            plain = TransformersEngine(hot, r, batch_size=batch_size)
+            want = plain.generate(requests(), params, seed=5, max_new_tokens=budget)
+        eng = TransformersEngine(hot, r, batch_size=batch_size)
+        got = eng.generate(requests(), params, seed=5, max_new_tokens=budget)
+        if params.temperature > 0:  # (greedy, this model never ends a turn early)
+            assert eng.stats.decode_rows < plain.stats.decode_rows  # some steps did leave rows out
+        for a, b in zip(want, got, strict=True):
+            assert (a.ids, a.logprobs, a.origin, a.turn, a.turn_texts, a.truncated, a.done, a.n_generated) == \
+                   (b.ids, b.logprobs, b.origin, b.turn, b.turn_texts, b.truncated, b.done, b.n_generated)
+
+
+def test_grouped_heads_in_place_change_no_logit(tok, model):
+    """While the engine samples, attention reads grouped key/value heads in place instead of copying them (SDPA's
+    enable_gqa): with a padding mask, every real position's logits are bit for bit the copying path's, and the
+    model's attention implementation is back to sdpa afterwards."""
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped heads
+    ids = torch.randint(4, len(tok), (6, 10), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones(6, 10, dtype=torch.long)
+    attn[3:, :4] = 0
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=attn).logits
+        with kvcache.grouped_heads_in_place(model):
+            assert model.config._attn_implementation == kvcache.IN_PLACE_GQA
+            got = model(input_ids=ids, attention_mask=attn).logits
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(got[attn.bool()], want[attn.bool()])
+
+
+def test_split_step_logits_are_the_whole_chunks(tok, model):
+    """A decode step on rows split off a chunk gives each row bit for bit the logits the whole chunk's step gives
+    it, also when none of the rows still sampling has a masked column: transformers would then drop the mask and
+    take another attention path, so a split keeps a row that sits the step out."""
+    eng = TransformersEngine(model, ChatRenderer(tok))
+    g = torch.Generator().manual_seed(0)
+    B, S = 40, 12
+    ids = torch.randint(4, len(tok), (B, S), generator=g)
+    attn = torch.ones(B, S, dtype=torch.long)
+    attn[20:, :3] = 0  # rows 20.. are left-padded; rows 0..19 have no masked column
+    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    alive = torch.zeros(B, dtype=torch.bool)
+    alive[:17] = True  # 17 rows still sample, all without a hole
+    step_in, step_pos = torch.randint(4, len(tok), (B, 1), generator=g), pos[:, -1:] + 1
+    with torch.no_grad():
+        whole = _Chunk([None] * B)
+        eng._forward(whole, ids, attn, pos, room=4)
+        part = _Chunk([None] * B)
+        eng._forward(part, ids, attn, pos, room=4)
+        sub, rows = eng._step_rows(part, None, None, alive, room=4)
+        assert sub is not None and 17 < len(rows) < B
+        want = eng._forward(whole, step_in, alive.long()[:, None], step_pos)[:17]
+        got = eng._forward(sub, step_in[rows], alive.long()[rows, None], step_pos[rows])[:17]
+    assert torch.equal(got, want)
