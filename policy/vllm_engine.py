@@ -100,10 +100,17 @@ class VLLMEngine:
             lambda r: not r.getMessage().startswith("Chat template warmup failed"))
         before = set(process_tree(os.getpid()))
         dtype = _DTYPES.get(next(model.parameters()).dtype, "float32")
+        from vllm.platforms import current_platform
+
+        # On CPU, whole prompts only: after a partial (chunked) prefill vLLM 0.32 rewinds the request's seeded
+        # generator with set_offset, which a CPU generator does not have, and the engine dies ("CPU Generator
+        # does not use offset") as soon as a turn's prompts exceed one scheduler step.
+        whole = ({"enable_chunked_prefill": False, "max_num_batched_tokens": max(self.max_model_len, 8192)}
+                 if current_platform.is_cpu() else {})
         self.llm = LLM(model=str(self.dir), dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
                        kv_cache_memory_bytes=int(kv_cache_bytes), max_model_len=self.max_model_len,
                        enable_prefix_caching=True, logprobs_mode="processed_logprobs", seed=int(seed),
-                       worker_extension_cls="policy.vllm_worker.WeightSync")
+                       worker_extension_cls="policy.vllm_worker.WeightSync", **whole)
         for pid in process_tree(os.getpid()):
             if pid not in before and pid != self.reaper.proc.pid:
                 self.reaper.watch_pid(pid)

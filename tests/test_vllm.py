@@ -162,6 +162,18 @@ def test_token_budget_is_never_exceeded(setup, engine):
     assert any(t.truncated for t in trajs)
 
 
+def test_a_turn_larger_than_one_scheduler_step_samples(setup, engine):
+    """200 seeded requests at temperature 1: their prompts together exceed one scheduler step's token budget
+    (8,192 tokens on CPU), which once killed vLLM's CPU worker after a partial prefill."""
+    cfg, envs, model, renderer, _ = setup
+    reqs = _requests(setup, 200, seed=11)
+    assert sum(len(renderer.prompt(r.system, r.task.prompt, None)) for r in reqs) > 8192
+    trajs = engine.generate(reqs, _params(cfg, 1.0), seed=4)
+    assert len(trajs) == 200 and all(t.n_generated > 0 for t in trajs)
+    pairs = [p for tr in trajs[:20] for p in _forward_logprobs(model, tr, 1.0)]
+    assert max(abs(a - b) for a, b in pairs) < LOGPROB_TOL
+
+
 def _cli(*args, timeout=600):
     return subprocess.run([*RAIL, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
