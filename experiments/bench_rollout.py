@@ -127,8 +127,10 @@ def main() -> None:
     sets = [{"tracking": {"uri": ""}, "rollout": {"tool_format": a.tool_format or ("hermes" if a.model else "builtin")}}]
     if a.model:
         sets.append({"model": {"path": a.model}, "warmstart": {"enabled": False}})
-    if a.max_turns:
-        sets.append({"rollout": {"max_turns": a.max_turns}})
+    if a.max_turns:  # shorter episodes: only the levels that many turns can solve (a level-L task takes L + 1)
+        levels = list(range(1, max(2, a.max_turns)))
+        sets.append({"rollout": {"max_turns": a.max_turns}, "env": {"levels": levels}, "eval": {"levels": levels},
+                     "warmstart": {"levels": levels, "guided_levels": []}})
     cfg = build_config("default", sets=sets)
     validate(cfg)
     envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
