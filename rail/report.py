@@ -71,8 +71,11 @@ def _overall(e: dict) -> list[str]:
 def _tool_calls(tc: dict | None) -> list[str]:
     if not tc:
         return []
-    return [f"tool calls: {tc.get('calls', 0)} executed in training rollouts, {tc.get('failed', 0)} failed "
-            f"({tc.get('malformed', 0)} malformed: not a call of a listed tool in the model's tool format)"]
+    # ``calls`` counts every turn that was meant as a call, the malformed ones (never executed) included
+    calls, failed, malformed = tc.get("calls", 0), tc.get("failed", 0), tc.get("malformed", 0)
+    errors = max(0, failed - malformed)
+    return [f"tool calls in training rollouts: {calls - malformed} executed ({errors} of them returned a tool error), "
+            f"{malformed} malformed (not a call of a listed tool in the model's tool format)"]
 
 
 def _errors(errors: dict | None, tracking: dict | None) -> list[str]:
