@@ -15,8 +15,9 @@ import json
 import math
 import os
 import random
+import tempfile
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -25,6 +26,28 @@ from controller.vw import Bandit, compact, dsjson_text
 
 NONE = "none"
 MODES = ("shadow", "live")
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file beside it, fsync, then a rename: a reader (a resumed
+    run) sees the old file or the new one, never a partial one, and a failed write leaves no temporary file.
+    The same write as ``policy.fileio.write_text_atomic``, kept here because ``controller/`` imports nothing
+    from ``policy/``."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 @dataclass
@@ -158,10 +181,8 @@ class LearnedController:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             meta = self.trace_dir / "controller.json"
             if not meta.exists():
-                tmp = meta.with_suffix(".tmp")
-                tmp.write_text(json.dumps({"settings": asdict(self.s), "seed": seed, "vw_args": self.bandit.args,
-                                           "reward_model_args": self.bandit.rm_args}, indent=1))
-                os.replace(tmp, meta)
+                write_atomic(meta, json.dumps({"settings": asdict(self.s), "seed": seed, "vw_args": self.bandit.args,
+                                               "reward_model_args": self.bandit.rm_args}, indent=1))
 
     @property
     def trace_path(self) -> Path | None:
@@ -361,17 +382,11 @@ class LearnedController:
                           f"events (line {', '.join(map(str, dropped[:5]))}{', ...' if len(dropped) > 5 else ''})",
                           stacklevel=2)
         text = b"".join(ln + b"\n" for ln in keep)
-        if text == raw:
-            return
-        tmp = self.trace_path.with_suffix(".tmp")
-        tmp.write_bytes(text)
-        os.replace(tmp, self.trace_path)
+        if text != raw:
+            write_atomic(self.trace_path, text)
 
     def save(self, path: str | os.PathLike) -> None:
-        p = Path(path)
-        tmp = p.with_suffix(p.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.state_dict()))
-        os.replace(tmp, p)
+        write_atomic(Path(path), json.dumps(self.state_dict()))
 
     @classmethod
     def load(cls, path: str | os.PathLike, trace_dir: str | os.PathLike | None = None) -> "LearnedController":

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from controller import reward as R
-from controller.core import NONE, Action, Group, LearnedController, Settings
+from controller.core import NONE, Action, Group, LearnedController, Settings, write_atomic
 
 
 @dataclass
@@ -413,10 +413,8 @@ class Session:
 
     def save(self, path: str | os.PathLike) -> None:
         """The state and the settings, as one JSON file written atomically."""
-        p = Path(path)
-        tmp = p.with_suffix(p.suffix + ".tmp")
-        tmp.write_text(json.dumps({"settings": asdict(self.s), "seed": self.seed, "state": self.state_dict()}))
-        os.replace(tmp, p)
+        write_atomic(Path(path), json.dumps({"settings": asdict(self.s), "seed": self.seed,
+                                             "state": self.state_dict()}))
 
     @classmethod
     def load(cls, path: str | os.PathLike, trace_dir: str | os.PathLike | None = None) -> "Session":
