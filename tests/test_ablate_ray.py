@@ -290,16 +290,16 @@ def test_ray_run_leaves_no_ray_process(both):
 # ---------------------------------------------------------------------------- interruptions and failures
 @pytest.mark.ray
 def test_ctrl_c_cancels_the_tasks_and_a_killed_ablation_resumes(both, tmp_path):
-    """Ten steps per job (checkpoints every 2), so a job is still running well after its step-4 checkpoint on a
-    fast machine. Ctrl-C once the none job has checkpointed step 2: rail ablate exits 130 with the tasks cancelled
+    """Thirty steps per job (checkpoints every 2): after rail ablate is SIGKILLed, a job runs on until Ray notices
+    its driver is gone and ends the worker, so on a fast machine six more steps could finish first. Ctrl-C once the none job has checkpointed step 2: rail ablate exits 130 with the tasks cancelled
     and no process left. Run again and SIGKILL rail ablate alone once none has checkpointed step 4: Ray's
     processes and the jobs die with it. A third run resumes and finishes."""
     out, db, cache = tmp_path / "abl", tmp_path / "mlflow.db", both["ray"]["cache"]  # warm start cached
-    ten = ["--set", "run.steps=10"]
+    long = ["--set", "run.steps=30"]
     none = out / "none" / "seed0"
 
     mark = uuid.uuid4().hex
-    p = start(out=out, cache=cache, db=db, mark=mark, extra=ten)
+    p = start(out=out, cache=cache, db=db, mark=mark, extra=long)
     wait_for_checkpoint(none, 2, p)
     before = marked(mark)
     assert any("rail.cli train" in cmd for cmd in before.values())
@@ -312,7 +312,7 @@ def test_ctrl_c_cancels_the_tasks_and_a_killed_ablation_resumes(both, tmp_path):
     assert not (none / "summary.json").exists()
 
     killed = uuid.uuid4().hex
-    p = start(out=out, cache=cache, db=db, mark=killed, extra=ten)
+    p = start(out=out, cache=cache, db=db, mark=killed, extra=long)
     wait_for_checkpoint(none, 4, p)
     before = marked(killed)
     os.kill(p.pid, signal.SIGKILL)  # rail ablate only: what it started must not outlive it
@@ -325,7 +325,7 @@ def test_ctrl_c_cancels_the_tasks_and_a_killed_ablation_resumes(both, tmp_path):
     assert jobs and not any(map(alive, jobs)), "the jobs die with their workers at once"
 
     mark = uuid.uuid4().hex
-    p = start(out=out, cache=cache, db=db, mark=mark, extra=ten)
+    p = start(out=out, cache=cache, db=db, mark=mark, extra=long)
     assert p.wait(timeout=600) == 0, output(p)[-3000:]
     assert gone(mark, 30) == {}
     assert gone(killed, 120, before) == {}  # the killed run's Ray agents too, after their 60 s graceful shutdown
@@ -334,10 +334,10 @@ def test_ctrl_c_cancels_the_tasks_and_a_killed_ablation_resumes(both, tmp_path):
     assert e["status"] == "finished" and e["action"] == "resume" and e["attempts"] == 3
     for arm in ARMS.split(","):
         s = json.loads((out / arm / "seed0" / "summary.json").read_text())
-        assert s["steps"] == 10 and s["budget"]["spent"]["total"] == 160
+        assert s["steps"] == 30 and s["budget"]["spent"]["total"] == 480
         steps = [json.loads(ln)["step"] for ln in (out / arm / "seed0" / "metrics.jsonl").read_text().splitlines()
                  if "groups/zero_variance_share" in ln]
-        assert steps == list(range(1, 11))  # each step logged once across the three runs
+        assert steps == list(range(1, 31))  # each step logged once across the three runs
     # MLflow: one parent; each job's child run finished, none's resumed in place across the three runs (a job
     # stopped before its first checkpoint starts afresh in a new child run, the old one closed)
     import mlflow
