@@ -291,9 +291,10 @@ def test_ray_run_leaves_no_ray_process(both):
 @pytest.mark.ray
 def test_ctrl_c_cancels_the_tasks_and_a_killed_ablation_resumes(both, tmp_path):
     """Thirty steps per job (checkpoints every 2): after rail ablate is SIGKILLed, a job runs on until Ray notices
-    its driver is gone and ends the worker, so on a fast machine six more steps could finish first. Ctrl-C once the none job has checkpointed step 2: rail ablate exits 130 with the tasks cancelled
-    and no process left. Run again and SIGKILL rail ablate alone once none has checkpointed step 4: Ray's
-    processes and the jobs die with it. A third run resumes and finishes."""
+    its driver is gone and ends the worker, so on a fast machine six more steps could finish first. Ctrl-C once
+    the none job has checkpointed step 2: rail ablate exits 130 with the tasks cancelled and no process left.
+    Run again and SIGKILL rail ablate alone once none has checkpointed step 4: Ray's processes and the jobs die
+    with it. A third run resumes and finishes."""
     out, db, cache = tmp_path / "abl", tmp_path / "mlflow.db", both["ray"]["cache"]  # warm start cached
     long = ["--set", "run.steps=30"]
     none = out / "none" / "seed0"
