@@ -368,8 +368,8 @@ def _job_process(mark: str, run: Path) -> tuple[int, int] | None:
 def test_a_job_that_raises_or_loses_its_worker_is_recorded_and_the_others_go_on(both, tmp_path):
     """On a copy of the finished Ray ablation, both jobs are set to resume from step 2. First, none's checkpoints
     all lose their manifests, so its training process refuses to resume and exits 1: recorded with its stderr tail
-    while rail finishes. Then none resumes for real, and the Ray worker running rail's job is SIGKILLed: rail is recorded
-    as failed with Ray's account of it, its training process dies with the worker, and none finishes."""
+    while rail finishes. Then none resumes for real, and the Ray worker running rail's job is SIGKILLed: rail is
+    recorded as failed with Ray's account of it, its training process dies with the worker, and none finishes."""
     out = tmp_path / "abl"
     shutil.copytree(both["ray"]["out"], out, symlinks=True)
     none, rail = out / "none" / "seed0", out / "rail" / "seed0"
