@@ -26,10 +26,11 @@ trainer"):
 * **the menu as bandit actions**: the trainer's options (``how@where`` key, size, cost, features) plus doing
   nothing, with the option's share of the step budget as a feature; options beyond a group's ``capacity``
   (TRL: its free slots) are left out;
-* **the shadowed heuristic**: the ladder's first rung not yet tried on the group that is among its options, at
-  the ladder's size (or, not escalating, RTI's one hint); nothing for a group with a success;
-* **escalation**: round 0 asks every group added before it; each later round asks again for the groups whose
-  intervention in the round before ran and left them without a success;
+* **the shadowed heuristic** and **who is asked each round**: the rung rule of :mod:`controller.heuristic`, the
+  same function rail's ``ladder`` and ``rti`` controllers run: round 0 asks every group added before it, each
+  later round the groups whose intervention in the round before ran and left them without a success; the
+  heuristic takes the ladder's first untried rung among the group's options at the ladder's size (or, not
+  escalating, RTI's one hint), nothing for a group with a success;
 * **the reward** of every decision (``controller.reward``): the signal its accepted rollouts added to what the
   group had before it, weighted by headroom, per unit of cost; doing nothing earns the opportunity of fresh
   base groups;
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from controller import reward as R
+from controller.heuristic import asked as _asked, next_rung
 from controller.core import NONE, Action, Group, LearnedController, Settings, write_atomic
 
 
@@ -102,6 +104,7 @@ class Choice:
     propensity: float  # the probability with which it was chosen
     mode: str  # "shadow" (the randomised heuristic acted) or "live" (the bandit acted)
     round: int
+    heuristic: Option | None = None  # what the shadowed heuristic would do (controller.heuristic), acting or not
 
     @property
     def intervenes(self) -> bool:
@@ -221,14 +224,13 @@ class Session:
         asked, requests = [], []
         for gs in self._groups.values():
             rec = gs.rec
-            if not rec.rollouts or len(gs.tried) != r or (r and gs.n_success > 0):
+            if not rec.rollouts or not _asked(r, gs.tried, gs.n_success > 0):
                 continue
             opts = self._affordable(gs)
             acts = [Action(o.name, {**o.features, "cost_share": o.cost / self.step_budget}, float(o.cost))
                     for o in opts]
-            h = self._heuristic(gs)
-            requests.append(Group(rec.id, self._context(gs, budget, r), acts,
-                                  heuristic=h if h is not None and h in {o.name for o in opts} else None))
+            h = self._heuristic(gs, opts)
+            requests.append(Group(rec.id, self._context(gs, budget, r), acts, heuristic=h))
             asked.append((gs, {o.name: o for o in opts}))
         made = self.ctl.decide(requests, budget, tag=f"s{self.step}-")
         out = []
@@ -236,7 +238,8 @@ class Session:
             opt = by_name.get(d.action.name) if d.intervenes else None
             self._made.append((d.id, gs, opt, list(gs.ran)))
             self._by_id[d.id] = self._made[-1]
-            out.append(Choice(d.id, gs.rec.id, opt, d.propensity, d.mode, r))
+            h = self._by_name(gs, requests[len(out)].heuristic)
+            out.append(Choice(d.id, gs.rec.id, opt, d.propensity, d.mode, r, heuristic=h))
         self.seconds += time.perf_counter() - t0
         return out
 
@@ -331,18 +334,16 @@ class Session:
         """1 - the recent pass rate its context saw."""
         return min(1.0, max(0.0, 1.0 - self._recent_pass(gs)))
 
-    def _heuristic(self, gs: _Group) -> str | None:
-        """The shadowed heuristic's option: the ladder's first rung not yet tried on the group that it can act on
-        (one of its options has that key), at the ladder's size; nothing for a group with a success."""
-        if gs.n_success > 0:
-            return None
-        if self.s.heuristic_escalates:
-            rungs = [k for k in self.s.ladder if k not in gs.tried]
-        else:
-            rungs = [] if gs.tried else list(self.s.ladder)
-        keys = {o.key for o in gs.rec.options}
-        rung = next((k for k in rungs if k in keys), None)
-        return next((o.name for o in gs.rec.options if o.key == rung and o.size == self.s.ladder_size), None)
+    def _heuristic(self, gs: _Group, options: Sequence[Option]) -> str | None:
+        """The shadowed heuristic's option among ``options`` (the group's affordable ones): the rung rule of
+        :mod:`controller.heuristic` over the ladder, at the ladder's size; None for nothing."""
+        sized = {o.key: o.name for o in options if o.size == self.s.ladder_size}
+        key = next_rung(self.s.ladder, gs.tried, sized, gs.n_success > 0, self.s.heuristic_escalates)
+        return None if key is None else sized[key]
+
+    @staticmethod
+    def _by_name(gs: _Group, name: str | None) -> Option | None:
+        return None if name is None else next(o for o in gs.rec.options if o.name == name)
 
     def _context(self, gs: _Group, budget: float, rnd: int) -> dict:
         if gs.static is None:

@@ -52,7 +52,7 @@ def main() -> None:
     from rail.integrations.trl import RailTRL
     from rail.policy_setup import make_policy
     from rail.report import format_eval
-    from rail.train import close_engine, make_engine
+    from rail.engines import close_engine, make_engine
     from policy.tokenizer import ChatRenderer
 
     t0 = time.perf_counter()

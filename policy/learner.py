@@ -19,7 +19,7 @@ import torch
 
 from policy import grpo
 from policy.packing import forward_logits
-from policy.records import Origin, Trajectory
+from policy.records import ZERO_VARIANCE_TOL, Origin, Status, Trajectory
 
 
 COMPOSITIONS = ("mix", "replace")
@@ -146,6 +146,83 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return f
 
 
+def assign_status(trajs: list[Trajectory], compose: str = "mix", *,
+                  shift_of: Callable[[list[Trajectory]], list[float]] | None = None,
+                  shift_threshold: float = float("inf"), drop_zero_variance: bool = True,
+                  mask_all_tools_failed: bool = True) -> tuple[list[Trajectory], dict[str, float]]:
+    """The learner's filters: the one rule that sets every rollout's :class:`~policy.records.Status` (and
+    ``shift``), for rail's learner and for every adapter whose trainer computes its own loss. In order:
+
+    1. probe rollouts (``intervention["probe"]``) are never trained (``probe``);
+    2. group composition: ``mix`` keeps intervened trajectories in their task's group beside the base ones
+       (LUFFY); ``replace`` drops the base rollouts of every group that has intervened ones (ActGuide,
+       ``replaced``);
+    3. the shift filter: a trajectory sampled under guidance that training strips whose shift measure
+       (``shift_of``, e.g. :func:`shift_measures` under the current weights) exceeds ``shift_threshold`` (NaN
+       counts as over) is dropped (``shift_rejected``); without ``shift_of`` nothing is measured;
+    4. over what is left of each group: a group without a reward spread (population std below
+       :data:`ZERO_VARIANCE_TOL`, :func:`policy.grpo.zero_variance_mask`) carries no advantage
+       (``zero_variance`` with ``drop_zero_variance``), and a rollout whose every tool call failed is masked
+       (``all_tools_failed`` with ``mask_all_tools_failed``, TAO-RL); the rest are ``trained``.
+
+    Returns the rollouts that joined their groups (what advantages are computed over) and the filters' counts.
+    """
+    if compose not in COMPOSITIONS:
+        raise ValueError(f"unknown group composition {compose!r}; one of {', '.join(COMPOSITIONS)}")
+    stats = {"groups": 0.0, "zero_variance_groups": 0.0, "zero_variance_share": 0.0, "all_tools_failed": 0.0,
+             "kept": 0.0, "probes": 0.0, "replaced": 0.0, "shift_measured": 0.0, "shift_rejected": 0.0,
+             "shift_accepted": 0.0, "shift_mean": 0.0, "shift_max": 0.0}
+    for t in trajs:
+        t.status, t.shift = Status.UNSET, None
+    pool = []
+    for t in trajs:
+        if t.intervention is not None and t.intervention.get("probe"):
+            t.status = Status.PROBE
+        else:
+            pool.append(t)
+    stats["probes"] = float(len(trajs) - len(pool))
+    if compose == "replace":
+        replaced = {t.group for t in pool if t.intervention is not None}
+        for t in pool:
+            if t.intervention is None and t.group in replaced:
+                t.status = Status.REPLACED
+        stats["replaced"] = float(sum(t.status == Status.REPLACED for t in pool))
+        pool = [t for t in pool if t.status != Status.REPLACED]
+    shifted = [t for t in pool if t.context_shifted] if shift_of is not None else []
+    if shifted:
+        values = shift_of(shifted)
+        for t, v in zip(shifted, values):
+            t.shift = v
+            if not (v <= shift_threshold):  # NaN counts as over
+                t.status = Status.SHIFT_REJECTED
+        stats["shift_measured"] = float(len(shifted))
+        stats["shift_rejected"] = float(sum(t.status == Status.SHIFT_REJECTED for t in shifted))
+        stats["shift_accepted"] = stats["shift_measured"] - stats["shift_rejected"]
+        finite = [v for v in values if math.isfinite(v)]
+        stats["shift_mean"] = sum(finite) / len(finite) if finite else 0.0
+        stats["shift_max"] = max(finite) if finite else 0.0
+        pool = [t for t in pool if t.status != Status.SHIFT_REJECTED]
+    if not pool:
+        return pool, stats
+    rewards = torch.tensor([t.reward for t in pool], dtype=torch.float64)  # (N,)
+    _, group_index = torch.unique(torch.tensor([t.group for t in pool]), return_inverse=True)  # (N,)
+    zero_var = grpo.zero_variance_mask(rewards, group_index, ZERO_VARIANCE_TOL)  # (N,)
+    all_failed = [(lambda c: c[0] > 0 and c[0] == c[1])(t.tool_calls()) for t in pool]
+    for i, t in enumerate(pool):
+        if drop_zero_variance and bool(zero_var[i]):
+            t.status = Status.ZERO_VARIANCE
+        elif mask_all_tools_failed and all_failed[i]:
+            t.status = Status.ALL_TOOLS_FAILED
+        else:
+            t.status = Status.TRAINED
+    n_groups = int(group_index.max()) + 1
+    zv_groups = len(set(group_index[zero_var].tolist()))
+    stats.update({"groups": float(n_groups), "zero_variance_groups": float(zv_groups),
+                  "zero_variance_share": zv_groups / n_groups, "all_tools_failed": float(sum(all_failed)),
+                  "kept": float(sum(t.status == Status.TRAINED for t in pool))})
+    return pool, stats
+
+
 class GRPOLearner:
     def __init__(self, model: torch.nn.Module, settings: LearnerSettings, total_steps: int, pad_id: int,
                  rehearsal_source: Callable[[int], list[Trajectory]] | None = None):
@@ -169,88 +246,26 @@ class GRPOLearner:
 
     # ------------------------------------------------------------------ advantages and filters
     def prepare(self, trajs: list[Trajectory], compose: str = "mix") -> PreparedBatch:
-        """What will be trained on, and with which advantages. In order:
-
-        1. probe rollouts (``intervention["probe"]``) are never trained;
-        2. group composition: ``mix`` keeps intervened trajectories in their task's group beside the base ones
-           (LUFFY); ``replace`` drops the base rollouts of every group that has intervened ones (ActGuide);
-        3. the shift filter: a trajectory sampled under guidance whose shift measure
-           (:func:`policy.grpo.shift_measure`, under the current weights) exceeds ``shift_threshold`` is dropped;
-        4. group-relative advantages over what is left, then the TAO-RL filters (zero-variance groups,
-           all-tools-failed trajectories).
-
-        Every input trajectory's ``status`` says what happened to it and ``shift`` holds its measure.
-        """
-        if compose not in COMPOSITIONS:
-            raise ValueError(f"unknown group composition {compose!r}; one of {', '.join(COMPOSITIONS)}")
+        """What will be trained on, and with which advantages: :func:`assign_status` (the filters, with this
+        learner's settings and shift measure) sets every trajectory's ``status`` and ``shift``; group-relative
+        advantages are computed over the rollouts that joined their groups, and the ``trained`` ones are kept
+        (with ``guided_replay``, each trained guided rollout also in its guided context)."""
         tis = self.recompute_logprobs(trajs) if self.s.old_logprobs == "recompute" else {}
-        stats = {"groups": 0.0, "zero_variance_groups": 0.0, "zero_variance_share": 0.0, "all_tools_failed": 0.0,
-                 "kept": 0.0, "probes": 0.0, "replaced": 0.0, "shift_measured": 0.0, "shift_rejected": 0.0,
-                 "shift_accepted": 0.0, "shift_mean": 0.0, "shift_max": 0.0, "guided_replay": 0.0}
-        for t in trajs:
-            t.status, t.shift = "", None
-        pool = []
-        for t in trajs:
-            if t.intervention is not None and t.intervention.get("probe"):
-                t.status = "probe"
-            else:
-                pool.append(t)
-        stats["probes"] = float(len(trajs) - len(pool))
+        s = self.s
+        pool, stats = assign_status(trajs, compose, shift_of=self.shift_of, shift_threshold=s.shift_threshold,
+                                    drop_zero_variance=s.drop_zero_variance,
+                                    mask_all_tools_failed=s.mask_all_tools_failed)
         stats.update(tis)
-        if compose == "replace":
-            replaced = {t.group for t in pool if t.intervention is not None}
-            for t in pool:
-                if t.intervention is None and t.group in replaced:
-                    t.status = "replaced"
-            stats["replaced"] = float(sum(t.status == "replaced" for t in pool))
-            pool = [t for t in pool if t.status != "replaced"]
-        shifted = [t for t in pool if t.context_shifted]
-        if shifted:
-            values = self.shift_of(shifted)
-            for t, v in zip(shifted, values):
-                t.shift = v
-                if not (v <= self.s.shift_threshold):  # NaN counts as over
-                    t.status = "shift_rejected"
-            stats["shift_measured"] = float(len(shifted))
-            stats["shift_rejected"] = float(sum(t.status == "shift_rejected" for t in shifted))
-            stats["shift_accepted"] = stats["shift_measured"] - stats["shift_rejected"]
-            finite = [v for v in values if math.isfinite(v)]
-            stats["shift_mean"] = sum(finite) / len(finite) if finite else 0.0
-            stats["shift_max"] = max(finite) if finite else 0.0
-            pool = [t for t in pool if t.status != "shift_rejected"]
-        n = len(pool)
-        if n == 0:
+        stats["guided_replay"] = 0.0
+        if not pool:
             return PreparedBatch([], [], stats)
         rewards = torch.tensor([t.reward for t in pool], dtype=torch.float64)  # (N,)
         _, group_index = torch.unique(torch.tensor([t.group for t in pool]), return_inverse=True)  # (N,)
-        adv = grpo.group_advantages(rewards, group_index, scale=self.s.adv_scale)  # (N,)
-        zero_var = grpo.zero_variance_mask(rewards, group_index)  # (N,)
-        keep = torch.ones(n, dtype=torch.bool)
-        if self.s.drop_zero_variance:
-            keep &= ~zero_var
-        all_failed = torch.tensor([(lambda c: c[0] > 0 and c[0] == c[1])(t.tool_calls()) for t in pool])
-        if self.s.mask_all_tools_failed:
-            keep &= ~all_failed
-        for i, t in enumerate(pool):
-            if bool(keep[i]):
-                t.status = "trained"
-            elif self.s.drop_zero_variance and bool(zero_var[i]):
-                t.status = "zero_variance"
-            else:
-                t.status = "all_tools_failed"
-        n_groups = int(group_index.max()) + 1
-        zv_groups = len(set(group_index[zero_var].tolist()))
-        idx = keep.nonzero().flatten().tolist()
-        stats.update({
-            "groups": float(n_groups),
-            "zero_variance_groups": float(zv_groups),
-            "zero_variance_share": zv_groups / n_groups,
-            "all_tools_failed": float(all_failed.sum()),
-            "kept": float(len(idx)),
-        })
+        adv = grpo.group_advantages(rewards, group_index, scale=s.adv_scale)  # (N,)
+        idx = [i for i, t in enumerate(pool) if t.status == Status.TRAINED]
         kept, advs = [pool[i] for i in idx], [float(adv[i]) for i in idx]
-        if self.s.guided_replay:  # the guided policy's own on-policy sample, same advantage, guidance kept
-            replays = [(dataclasses.replace(t, keep_guidance=True, status="guided_replay"), a)
+        if s.guided_replay:  # the guided policy's own on-policy sample, same advantage, guidance kept
+            replays = [(dataclasses.replace(t, keep_guidance=True, status=Status.GUIDED_REPLAY), a)
                        for t, a in zip(kept, advs) if t.context_shifted]
             kept += [r for r, _ in replays]
             advs += [a for _, a in replays]

@@ -8,7 +8,7 @@ context; tokens the policy did not generate (tool observations, injected steps) 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum, IntEnum
 from typing import Any
 
 
@@ -19,6 +19,42 @@ class Origin(IntEnum):
     TOOL = 1  # tool observation and chat-template glue: context only
     GUIDANCE = 2  # hint text inserted mid-trajectory: present when sampling, stripped for training
     INJECTED = 3  # an action written into the policy's turn by an intervention: context only, kept
+
+
+class Status(str, Enum):
+    """What the learner did with a rollout: set only by :func:`policy.learner.assign_status`, the learner's filters,
+    which rail's loop and every adapter run. A ``str`` enum, so it compares equal to its value and reads as it in
+    JSON."""
+
+    UNSET = ""  # not through the filters yet
+    TRAINED = "trained"  # in a group with a spread: trained with its advantage
+    PROBE = "probe"  # an untrained probe (ActGuide's plan-length search): charged, never trained
+    REPLACED = "replaced"  # a base rollout of a group whose intervened rollouts replace it (compose = replace)
+    SHIFT_REJECTED = "shift_rejected"  # sampled under guidance the learner strips, and shifted beyond the threshold
+    ZERO_VARIANCE = "zero_variance"  # its group (what is left of it) has no reward spread: no advantage
+    ALL_TOOLS_FAILED = "all_tools_failed"  # every tool call it made failed (masked, TAO-RL)
+    GUIDED_REPLAY = "guided_replay"  # a trained guided rollout's second copy, trained in its guided context
+
+    @property
+    def joined(self) -> bool:
+        """It joined its group (the controller's reward counts it): not a probe, not rejected by the shift filter."""
+        return self not in (Status.PROBE, Status.SHIFT_REJECTED)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: a group whose rewards' population standard deviation is below this carries no advantage (DAPO, TAO-RL: 1e-3)
+ZERO_VARIANCE_TOL = 1e-3
+
+
+def zero_variance(rewards: list[float]) -> bool:
+    """Whether a group with these rewards carries no advantage: the learner's filter's rule
+    (:func:`policy.learner.assign_status`, :func:`policy.grpo.zero_variance_mask`); an empty group has none either."""
+    if not rewards:
+        return True
+    m = sum(rewards) / len(rewards)
+    return (sum((r - m) ** 2 for r in rewards) / len(rewards)) ** 0.5 < ZERO_VARIANCE_TOL
 
 
 @dataclass
@@ -69,7 +105,7 @@ class Trajectory:
     intervention: dict | None = None  # what was done to it (None for a base rollout)
     guidance: Guidance | None = None
     shift: float | None = None  # shift measure (mean log-ratio guided vs stripped context), if measured
-    status: str = ""  # what the learner did with it: trained, probe, replaced, shift_rejected, zero_variance, ...
+    status: Status = Status.UNSET  # what the learner did with it (policy.learner.assign_status sets it)
     keep_guidance: bool = False  # train in the context it was sampled in, guidance included (a guided replay)
     # learner.old_logprobs = "recompute": the engine's own log-probs (``logprobs`` then holds the learner's) and
     # the truncated importance-sampling weight of each response token (1.0 for non-policy tokens)

@@ -498,6 +498,12 @@ def validate(cfg: Config) -> None:
                               f"shadows ladder only over interventions it can choose itself: add them to the menu")
     if not c.how_many or any(k < 1 for k in c.how_many):
         raise ConfigError(f"controller.how_many = {c.how_many}: must be a non-empty list of counts >= 1")
+    if c.name == "rail":  # the heuristic it shadows acts at its own size, which must be one of the bandit's
+        size_key = "controller.ladder_how_many" if c.shadow == "ladder" else "controller.rti_how_many"
+        size = c.ladder_how_many if c.shadow == "ladder" else c.rti_how_many
+        if size not in c.how_many:
+            raise ConfigError(f"{size_key} = {size} is not in controller.how_many = {c.how_many}: the learned "
+                              f"controller shadows {c.shadow} only at a size it can choose itself; add it")
     for key in ("controller.rti_how_many", "controller.ladder_how_many", "controller.probe_rollouts",
                 "controller.max_probes", "controller.max_rounds"):
         if getattr(c, key.split(".")[1]) < 1:

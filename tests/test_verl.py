@@ -97,7 +97,7 @@ def test_records_cross_ray_as_json(setup):
     from policy.tokenizer import ChatRenderer
     from rail.envs import ToolRunner
     from rail.integrations.verl import task_from_dict, task_to_dict, trajectory_from_dict, trajectory_to_dict
-    from rail.train import score
+    from rail.rounds import score
 
     _, cfg, model, tok = setup
     env = __import__("rail.envs", fromlist=["make_env"]).make_env("lookup", 0)

@@ -26,10 +26,13 @@ from typing import Any, Awaitable, Callable, Coroutine, Sequence
 import numpy as np
 
 from policy.engine import RolloutRequest
+from policy.learner import assign_status
+from policy.records import Status
+from rail.budget import StepBudget
 from rail.config import Config, ConfigError, validate
-from rail.controllers import CONTROLLERS, GroupView, Outcome, make_menu
+from rail.controllers import CONTROLLERS, compose_of
 from rail.envs import ToolRunner, make_envs
-from rail.train import intervention_metrics, intervention_summary
+from rail.rounds import Group, Outcome, Rounds, adrive, intervention_metrics, intervention_summary, make_group, make_menu
 
 #: controllers whose decisions need groups of their own (dapo's refills) or untrained probes (actguide's search)
 UNSUPPORTED = {"dapo": "its refills are fresh groups", "actguide": "its plan-length probes are not trained"}
@@ -76,9 +79,10 @@ class Slots:
         self.envs = envs or make_envs(cfg.env.families, cfg.env.seed, cfg.env.options)
         self.runners = {f: ToolRunner(e, cfg.rollout.tool_format) for f, e in self.envs.items()}
         self.controller = CONTROLLERS[cfg.controller.name](config=cfg, out=out)
+        self.compose = compose_of(cfg)
         self.calls = 0  # training steps so far (the trainers' seeds derive from it)
         self.spent = {"base": 0.0, "intervention": 0.0}
-        self.per_key: dict = {}  # how@where -> totals (rail.train.intervention_metrics)
+        self.per_key: dict = {}  # how@where -> totals (rail.rounds.intervention_metrics)
         self.totals: dict = {}
 
     @property
@@ -93,76 +97,44 @@ class Slots:
                 for i in groups for _ in range(k)]
 
     async def step(self, tasks: Sequence[tuple[str, object]], step: int, total_steps: int, seed: int,
-                   generate: Generate) -> tuple[list[GroupView], list[Outcome], list[list]]:
-        """One step over ``tasks`` ((family, task) per group): base slots, the controller's rounds, the fill.
-        Returns the group views, the outcomes of the decisions that ran and each group's ``g`` trajectories
-        (base, interventions in order, fill)."""
+                   generate: Generate) -> tuple[list[Group], list[Outcome], list[list]]:
+        """One step over ``tasks`` ((family, task) per group): base slots, then the step protocol of
+        :mod:`rail.rounds` (the controller's rounds on the groups' free slots, the fill of what is left). Returns
+        the groups, the outcomes of the decisions that ran and each group's ``g`` trajectories (base,
+        interventions in order, fill)."""
         self.calls += 1
         cfg, g = self.cfg, self.g
         cfg.budget.rollouts_per_step = len(tasks) * g  # the controller's features read the step's budget from cfg
         cfg.run.steps = max(1, total_steps)
+        tasks = list(tasks)
         base = await generate(self.requests(tasks, range(len(tasks)), self.n_base), ("base",))
-        views = []
-        for i, (fam, task) in enumerate(tasks):
-            members = [t for t in base if t.group == i]
-            rewards = [t.reward for t in members]
-            views.append(GroupView(i, fam, task, members, n_base=len(members),
-                                   zero_variance_base=max(rewards) - min(rewards) < 1e-3, capacity=g - len(members)))
+        groups = [make_group(i, fam, task, base, capacity=g - self.n_base) for i, (fam, task) in enumerate(tasks)]
         self.controller.begin_step(step, np.random.default_rng([seed, self.calls, 4]))
-        menu = make_menu(cfg, self.envs, self.runners)
-        remaining = sum(v.capacity for v in views)
-        ran: list[Outcome] = []
-        for rnd in range(cfg.controller.max_rounds):
-            decisions = self.controller.decide(views, remaining, "rollouts", menu)
-            if not decisions:
-                break
-            outcomes, reqs, owners = [], [], []
-            free = {v.group: g - len(v.trajectories) for v in views}
-            for d in decisions:
-                o = Outcome(d, ran=False)
-                outcomes.append(o)
-                p = menu.plan_for(views[d.group], d.intervention)
-                if p is None or p.cost > remaining or len(p.requests) > free[d.group]:
-                    continue
-                o.ran, o.cost = True, p.cost
-                remaining -= p.cost
-                free[d.group] -= len(p.requests)
-                reqs += p.requests
-                owners += [o] * len(p.requests)
-            if reqs:
-                for o, tr in zip(owners, await generate(reqs, ("round", rnd))):
-                    o.trajectories.append(tr)
-                for o in outcomes:
-                    if o.ran:
-                        views[o.decision.group].trajectories += o.trajectories
-                        views[o.decision.group].interventions.append(o.decision.intervention.key)
-                ran += [o for o in outcomes if o.ran]
-            self.controller.observe(outcomes)
-            if not reqs:
-                break
-        fill = [v.group for v in views for _ in range(g - len(v.trajectories))]
-        extra = await generate(self.requests(tasks, fill, 1), ("fill",)) if fill else []
-        slots = [v.trajectories + [t for t in extra if t.group == v.group] for v in views]
-        return views, ran, slots
+        budget = StepBudget("rollouts", sum(x.capacity for x in groups))
+        rounds = Rounds(self.controller, groups, tasks, make_menu(cfg, self.envs, self.runners), budget,
+                        max_rounds=cfg.controller.max_rounds, group_size=g,
+                        base_requests=lambda idx, k: self.requests(tasks, idx, k))
+        ran = await adrive(rounds.protocol(), lambda gen: generate(gen.requests, gen.key))
+        return groups, ran, [x.trajectories for x in groups]
 
-    def finish(self, views: list[GroupView], ran: list[Outcome], slots: list[list]) -> dict[str, float]:
-        """After the trainer's filters marked what they dropped ``shift_rejected``: every other rollout ``trained``
-        or ``zero_variance`` by whether what is left of its group has a spread (a group without one carries no
-        advantage), the controller's feedback, and the step's metrics."""
-        for s in slots:
-            kept = [t for t in s if t.status != "shift_rejected"]
-            spread = bool(kept) and max(t.reward for t in kept) - min(t.reward for t in kept) >= 1e-3
-            for t in kept:
-                t.status = "trained" if spread else "zero_variance"
-        self.controller.feedback(views, ran, "mix")
+    def finish(self, groups: list[Group], ran: list[Outcome], slots: list[list],
+               shift_of: Callable[[list], list[float]] | None = None) -> dict[str, float]:
+        """The learner's filters (:func:`policy.learner.assign_status`: rail's rule for every rollout's status, the
+        shift filter measured by ``shift_of`` under the trainer's current weights when it has them), the
+        controller's feedback, and the step's metrics."""
+        L = self.cfg.learner
+        assign_status([t for s in slots for t in s], self.compose, shift_of=shift_of,
+                      shift_threshold=L.shift_threshold, drop_zero_variance=L.drop_zero_variance,
+                      mask_all_tools_failed=L.mask_all_tools_failed)
+        self.controller.feedback(groups, ran, self.compose)
         n = sum(len(s) for s in slots)
         n_iv = sum(len(o.trajectories) for o in ran)
         self.spent["base"] += n - n_iv
         self.spent["intervention"] += n_iv
-        m = intervention_metrics(views, ran, n_iv / n if n else 0.0, self.per_key, self.totals)
-        base = [t.reward for v in views for t in v.base]
+        m = intervention_metrics(groups, ran, n_iv / n if n else 0.0, self.per_key, self.totals)
+        base = [t.reward for x in groups for t in x.base]
         out = {"rollout/success_rate": float(np.mean([r >= 1.0 for r in base])) if base else 0.0,
-               "shift/rejected": float(sum(t.status == "shift_rejected" for s in slots for t in s)),
+               "shift/rejected": float(sum(t.status == Status.SHIFT_REJECTED for s in slots for t in s)),
                **{k: m[k] for k in ("intervention/decisions", "intervention/rollouts", "intervention/success_rate",
                                     "intervention/budget_share", "intervention/rescued_groups")}}
         if self.cfg.controller.name == "rail":

@@ -53,10 +53,13 @@ from transformers import TrainerCallback
 from policy.engine import SamplingParams
 from policy.fileio import write_text_atomic
 from policy.learner import shift_measures
+from policy.records import Status
 from policy.tokenizer import ChatRenderer
 from rail.config import Config
 from rail.integrations.slots import Slots, check, run_sync
-from rail.train import RunError, _seed, close_engine, make_engine, score
+from rail.engines import close_engine, make_engine
+from rail.rounds import derive_seed, score
+from rail.rundir import RunError
 
 log = logging.getLogger("rail")
 
@@ -154,7 +157,7 @@ class RailTRL:
         slots = self.slots
         if not training:  # evaluation: plain rollouts, no controller
             trajs = engine.generate(slots.requests(tasks, range(len(tasks)), g), params,
-                                    seed=_seed(args.seed, 10_000 + slots.calls))
+                                    seed=derive_seed(args.seed, 10_000 + slots.calls))
             score(trajs, tasks, slots.envs)
             return _trl_batch([[t for t in trajs if t.group == i] for i in range(len(tasks))], g)
 
@@ -162,32 +165,21 @@ class RailTRL:
         codes = {"base": (2,), "round": (5,), "fill": (6,)}
 
         async def generate(requests, key):
-            trajs = engine.generate(requests, params, seed=_seed(args.seed, call, *codes[key[0]], *key[1:]))
+            trajs = engine.generate(requests, params, seed=derive_seed(args.seed, call, *codes[key[0]], *key[1:]))
             score(trajs, tasks, slots.envs)
             return trajs
 
         views, ran, groups = run_sync(slots.step(tasks, trainer.state.global_step, trainer.state.max_steps,
                                                     args.seed, generate))
-        self._shift_filter(trainer, ran, groups)
-        self.last = slots.finish(views, ran, groups)
+        self.last = slots.finish(views, ran, groups, shift_of=self._shift_of(trainer))
         return _trl_batch(groups, g)
 
-    def _shift_filter(self, trainer, ran, groups: list[list]) -> None:
-        """rail's shift filter (``learner.shift_threshold``, the learner's rule) on the rollouts sampled under a hint
-        or plan, measured with the trainer's current weights: those above the threshold become ``shift_rejected``."""
-        for s in groups:
-            for t in s:
-                t.status, t.shift = "", None
-        guided = [t for o in ran for t in o.trajectories if t.context_shifted]
-        if not guided:
-            return
+    def _shift_of(self, trainer):
+        """rail's shift measure (:func:`policy.learner.shift_measures`) under the trainer's current weights, for the
+        learner's shift filter (``learner.shift_threshold``) on the rollouts sampled under a hint or plan."""
         model = trainer.accelerator.unwrap_model(trainer.model)
-        values = shift_measures(model, guided, self._renderer.pad, trainer.args.temperature,
-                                self.cfg.rollout.batch_size)
-        for t, v in zip(guided, values):
-            t.shift = v
-            if not (v <= self.cfg.learner.shift_threshold):  # NaN counts as over, as in the learner
-                t.status = "shift_rejected"
+        return lambda trajs: shift_measures(model, trajs, self._renderer.pad, trainer.args.temperature,
+                                            self.cfg.rollout.batch_size)
 
     def _engine_for(self, trainer):
         """rail's engine (``rollout.engine``) over the trainer's model, synced after each optimizer step when it
@@ -302,6 +294,6 @@ def _trl_batch(slots: list[list], g: int) -> dict[str, list]:
             out["logprobs"].append(lps[p:])
             out["env_mask"].append(mask[p:])
             out["rail_reward"].append(float(t.reward))
-            out["rail_accepted"].append(t.status != "shift_rejected")
+            out["rail_accepted"].append(Status(t.status).joined)
             out["rail_intervention"].append(t.intervention["key"] if t.intervention else "")
     return out

@@ -43,7 +43,8 @@ from rail.config import Config, build_config, parse_set
 from rail.envs import Action, RubricItem, RubricStatus, Step, Task, ToolRunner, make_envs
 from rail.integrations.slots import Slots, check
 from rail.tracking import JsonlTracker
-from rail.train import RunError, score
+from rail.rounds import score
+from rail.rundir import RunError
 from verl.experimental.agent_loop.agent_loop import (AgentLoopBase, AgentLoopManager, AgentLoopMetrics,
                                                      AgentLoopOutput, register)
 from verl.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
@@ -302,9 +303,7 @@ class RailSteps:
             return trajs
 
         views, ran, slots = await self.slots.step(tasks, step, total_steps, self.slots.cfg.run.seed, gen)
-        for s in slots:  # no shift filter here: the manager has no policy forward pass (docs/integrations.md)
-            for t in s:
-                t.status = ""
+        # no shift filter here: the manager has no policy forward pass (docs/integrations.md)
         metrics = self.slots.finish(views, ran, slots)
         offsets = np.cumsum([0] + [len(o) for o in made])
         order = [int(offsets[where[id(t)][0]] + where[id(t)][1]) for s in slots for t in s]

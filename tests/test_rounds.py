@@ -1,0 +1,194 @@
+"""The step protocol (rail/rounds.py) and the rung rule: the learned controller's shadowed heuristic is exactly the
+``ladder`` (and ``rti``) arm; the rescue count and its per-operator column are one definition."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from controller import Rollout
+from controller.heuristic import asked, next_rung
+from policy.records import Status
+from policy.tokenizer import ChatRenderer, build_word_tokenizer
+from rail.budget import StepBudget
+from rail.config import build_config
+from rail.controllers import CONTROLLERS
+from rail.envs import Action, ToolRunner, make_env, rubric_status
+from rail.envs.lookup import RELATIONS
+from rail.interventions import Intervention
+from rail.policy_setup import reference_trajectory, vocabulary
+from rail.rounds import Decision, Outcome, Rounds, drive, intervention_metrics, intervention_summary, make_group, \
+    make_menu
+
+
+@pytest.fixture(scope="module")
+def world():
+    env = make_env("lookup", 0)
+    renderer = ChatRenderer(build_word_tokenizer(vocabulary({"lookup": env})))
+    tasks = [t for t in env.sample_tasks(np.random.default_rng(3), [3], 40) if t.level == 3][:5]
+    return env, renderer, tasks
+
+
+def _failed(env, task, renderer, group: int, wrong_at: int = 1):
+    """A hand-made failure: right calls up to ``wrong_at``, a wrong relation there, then consistent."""
+    guide = list(task.action_guide)
+    rel = guide[wrong_at].args[1]
+    other = next(r for r in RELATIONS if r != rel)
+    acts = [*guide[:wrong_at], Action("lookup", (guide[wrong_at].args[0], other)), *guide[wrong_at + 1:]]
+    tr = reference_trajectory(env, task, renderer, actions=acts)
+    tr.reward = env.reward(task, tr.steps)
+    tr.rubric = rubric_status(env, task, tr.steps)
+    tr.group = group
+    return tr
+
+
+def _solved(env, task, renderer, group: int):
+    tr = reference_trajectory(env, task, renderer)
+    tr.reward = env.reward(task, tr.steps)
+    tr.rubric = rubric_status(env, task, tr.steps)
+    tr.group = group
+    return tr
+
+
+def _groups(world):
+    """Five groups of two base rollouts: failures at the second call, one at the first (no ``before`` branch),
+    one group with a success, one whose capacity holds a single rung."""
+    env, r, tasks = world
+    groups = []
+    for i, task in enumerate(tasks):
+        if i == 2:
+            base = [_solved(env, task, r, i), _failed(env, task, r, i)]
+        else:
+            base = [_failed(env, task, r, i, wrong_at=0 if i == 1 else 1) for _ in range(2)]
+        groups.append(make_group(i, "lookup", task, base, capacity=2 if i == 3 else None))
+    return groups
+
+
+def _cfg(name: str, **controller):
+    cfg = build_config(sets=[{"controller": {"name": name, **controller}, "env": {"families": ["lookup"]}}])
+    cfg.run.steps = 10
+    return cfg
+
+
+@pytest.mark.parametrize("shadow", ["ladder", "rti"])
+def test_the_shadowed_heuristic_is_the_fixed_arm(world, shadow):
+    """Given the same groups and menu, round after round, the heuristic the learned controller shadows chooses
+    exactly what the ``ladder`` (``rti``) arm chooses: the same groups, operator, branch point and size. Every
+    intervention fails, except that group 0 succeeds in round 1, so later rounds ask fewer groups."""
+    env, renderer, _ = world
+    envs, runners = {"lookup": env}, {"lookup": ToolRunner(env)}
+    arm_cfg = _cfg(shadow)
+    # heuristic_epsilon tiny: in shadow the heuristic itself acts, so both sides run the same interventions
+    rail_cfg = _cfg("rail", shadow=shadow, heuristic_epsilon=1e-9)
+    arm, rail = CONTROLLERS[shadow](config=arm_cfg), CONTROLLERS["rail"](config=rail_cfg, out=None)
+    arm_groups, rail_groups = _groups(world), _groups(world)
+    menu_a, menu_r = make_menu(arm_cfg, envs, runners), make_menu(rail_cfg, envs, runners)
+    rng = np.random.default_rng(0)
+    arm.begin_step(1, rng)
+    rail.begin_step(1, rng)
+    rail._add(rail_groups, menu_r)
+    seen_rounds = 0
+    for rnd in range(5):
+        decided = {d.group: (d.intervention.key, d.intervention.how_many)
+                   for d in arm.decide(arm_groups, 10_000, "rollouts", menu_a)}
+        choices = rail.session.decide(10_000)
+        shadowed = {rail._views[c.group].index: (c.heuristic.key, c.heuristic.size)
+                    for c in choices if c.heuristic is not None}
+        assert shadowed == decided, f"round {rnd}"
+        assert all(c.option is c.heuristic for c in choices)  # the heuristic acted
+        if not decided:
+            break
+        seen_rounds += 1
+        for c in choices:
+            if c.option is None:
+                continue
+            gi = rail._views[c.group].index
+            win = rnd == 1 and gi == 0
+            for gs in (arm_groups[gi], rail_groups[gi]):
+                tr = copy.copy(gs.base[-1])
+                tr.reward = 1.0 if win else 0.0
+                gs.trajectories += [tr] * c.option.size
+                gs.interventions.append(c.option.key)
+                gs.spent += c.option.cost
+            rail.session.ran(c.id, [Rollout(tr.reward, win)] * c.option.size, c.option.cost)
+    assert seen_rounds == (1 if shadow == "rti" else 4)  # rti: one hint; ladder: every rung once
+    assert len(arm_groups[3].interventions) == (0 if shadow == "rti" else 1)  # its capacity (2) held one rung of 2
+    assert not arm_groups[2].interventions  # it had a success
+    rail.session.end_step()
+
+
+def test_the_rung_rule_by_hand():
+    ladder = ["a@x", "b@x", "c@y"]
+    assert next_rung(ladder, [], {"a@x", "b@x"}, solved=False) == "a@x"
+    assert next_rung(ladder, ["a@x"], {"a@x", "c@y"}, solved=False) == "c@y"  # b not actionable: skipped
+    assert next_rung(ladder, ["a@x"], {"a@x", "b@x"}, solved=True) is None
+    assert next_rung(ladder, ["a@x"], {"b@x"}, solved=False, escalates=False) is None  # rti: one hint per group
+    assert asked(0, [], solved=True) and asked(1, ["a@x"], solved=False)
+    assert not asked(1, ["a@x"], solved=True) and not asked(2, ["a@x"], solved=False)
+
+
+def test_rescues_are_counted_once_by_one_definition(world):
+    """The summary's rescued groups and the per-operator ``rescued`` column use one rule: an outcome rescues a
+    group when its base rollouts tied and one of its trained rollouts breaks the tie. Two interventions on one
+    group both break the tie: the operators' column counts both, the group is rescued once."""
+    env, r, tasks = world
+    g = make_group(0, "lookup", tasks[0], [_failed(env, tasks[0], r, 0), _failed(env, tasks[0], r, 0)])
+    hint = Decision(0, Intervention.parse("rubric_hint@violation", 2))
+    step = Decision(0, Intervention.parse("guided_step@violation", 2))
+    outs = []
+    for d in (hint, step):
+        win, lose = _solved(env, tasks[0], r, 0), _failed(env, tasks[0], r, 0)
+        outs.append(Outcome(d, ran=True, cost=2, trajectories=[win, lose]))
+        g.trajectories += [win, lose]
+        g.interventions.append(d.intervention.key)
+    for t in g.trajectories:
+        t.status = Status.TRAINED
+    per, totals = {}, {}
+    m = intervention_metrics([g], outs, 0.5, per, totals)
+    s = intervention_summary(per, totals, 2, 4)
+    assert m["intervention/rescued_groups"] == 1 == s["rescued_groups"]
+    assert sum(d["rescued"] for d in s["by_operator"].values()) == 2
+    for t in outs[1].trajectories:  # the guided step's rollouts filtered out: only the hint rescued
+        t.status = Status.SHIFT_REJECTED
+    per, totals = {}, {}
+    intervention_metrics([g], outs, 0.5, per, totals)
+    assert per["guided_step@violation"]["rescued"] == 0 and per["rubric_hint@violation"]["rescued"] == 1
+    assert totals["rescued_groups"] == 1
+
+
+def test_rounds_never_exceed_the_budget_or_a_groups_capacity(world):
+    """The protocol runs a decision only when it fits the budget and its group's capacity, and the fill spends
+    exactly what is left on the groups' free slots."""
+    env, renderer, _ = world
+    cfg = _cfg("ladder")
+    groups = _groups(world)
+    for g in groups:
+        g.capacity = 4
+    tasks = [("lookup", g.task) for g in groups]
+    ctl = CONTROLLERS["ladder"](config=cfg)
+    ctl.begin_step(1, np.random.default_rng(0))
+    budget = StepBudget("rollouts", sum(g.capacity for g in groups))
+    calls = []
+
+    def requests(idx, k):
+        return [(i, None) for i in idx for _ in range(k)]
+
+    def generate(gen):
+        calls.append(gen)
+        out = []
+        for req in gen.requests:
+            i = req[0] if isinstance(req, tuple) else req.group
+            tr = copy.copy(groups[i].base[-1])
+            tr.reward, tr.n_generated = 0.0, 3
+            out.append(tr)
+        return out
+
+    rounds = Rounds(ctl, groups, tasks, make_menu(cfg, {"lookup": env}, {"lookup": ToolRunner(env)}), budget,
+                    max_rounds=8, group_size=2, base_requests=requests)
+    ran = drive(rounds.protocol(), generate)
+    assert budget.remaining == 0 and budget.spent["intervention"] == sum(o.cost for o in ran)
+    assert all(len(g.trajectories) == g.n_base + g.capacity for g in groups)  # every free slot, no more
+    assert all(g.spent <= g.capacity for g in groups)
+    assert [c.key[0] for c in calls][-1] == "fill" and {c.key[0] for c in calls[:-1]} == {"round"}
