@@ -276,7 +276,9 @@ class _Chunk:
 
 #: The fewest rows a decode step runs on when it leaves out the rows that ended their turn. Below about 16 rows
 #: the BLAS takes other kernels (MKL: a linear layer's rows then round differently than in a larger batch), so a
-#: smaller step would not give each row bit for bit the logits the whole chunk gives it.
+#: smaller step would not give each row bit for bit the logits the whole chunk gives it. From 16 rows on they are
+#: the same to the bit with the BLAS this was measured on; another CPU's kernels may round a step of 17 rows and
+#: one of 40 differently even so, and the logits then differ by a float rounding (about 1e-7; tests allow 1e-5).
 MIN_STEP_ROWS = 16
 
 
@@ -291,7 +293,9 @@ class TransformersEngine:
     rows still sampling (at least ``MIN_STEP_ROWS``), on a copy of their cache rows that is merged back at the end
     of the turn, and only those rows are sampled; the generator still draws for the whole chunk, so the random
     stream, and every sampled token and log-prob, is the one every row in every step would give
-    (``split_steps=False`` keeps every row in every step).
+    (``split_steps=False`` keeps every row in every step): to the bit with the BLAS ``MIN_STEP_ROWS`` was measured
+    on; where a CPU's kernels round the smaller step differently, log-probs within a float rounding, and a token
+    differs only where two candidates were that close to a tie.
     """
 
     def __init__(self, model: torch.nn.Module, renderer: ChatRenderer, batch_size: int = 256,

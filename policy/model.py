@@ -81,6 +81,16 @@ def load_policy(path: str | os.PathLike) -> tuple[PreTrainedModel, PreTrainedTok
     return model, tokenizer
 
 
+def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """The tokenizer of the model directory ``path`` alone, as :func:`load_policy` loads it."""
+    p = Path(path)
+    try:
+        with quiet_io():
+            return _load_tokenizer(p)
+    except Exception as e:
+        raise ValueError(f"{p}: cannot load the tokenizer ({e}); is the directory complete?") from e
+
+
 def _load_tokenizer(p: Path) -> PreTrainedTokenizerBase:
     """AutoTokenizer, except that a plain ``tokenizers`` tokenizer stays one.
 

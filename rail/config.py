@@ -64,7 +64,7 @@ class WarmStartConfig:
     noise: float = F(0.4, "Share of demonstrations from an imperfect demonstrator (one wrong call, then consistent).")
     guided_share: float = F(0.2, "Share of demonstrations that follow guidance in their context (a plan or a rubric hint), so the built-in model can read the interventions' guidance.")
     guided_levels: list[int] = F([1, 2, 3, 4], "Levels the guided demonstrations are drawn from (empty: `warmstart.levels`). Reading guidance at levels it cannot solve alone is what a pretrained model brings.")
-    cache_dir: str = F(".cache/rail/warmstart", "Where warm-started models are cached, keyed by their config.")
+    cache_dir: str = F(".cache/rail/warmstart", "Where warm-started models are cached, keyed by their config, the model (the vocabulary, or model.path's files) and a hash of the warm start's first demonstrations (what the environments demonstrate).")
 
 
 @dataclass

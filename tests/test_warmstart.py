@@ -1,13 +1,21 @@
 """Warm-start demonstrations: the action guide solves the task; the imperfect demonstrator errs once, consistently."""
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from policy.records import Origin
 from policy.tokenizer import ChatRenderer, build_word_tokenizer
-from rail.envs import make_env
+from rail.envs import family_class, make_env
 from rail.policy_setup import demonstration, reference_trajectory, vocabulary
 
+ROOT = Path(__file__).resolve().parents[1]
+CIPHER = "experiments.my_env:CipherEnv"
 ALTS = {"lookup": ["mother", "father", "boss", "friend"], "calc": ["+", "-", "*"]}  # kin calls lookup too
 
 
@@ -72,3 +80,53 @@ def test_guided_demonstrations_of_a_knowledge_family_teach_no_level():
                 assert context.count("then") == 2 or context.count("lookup") == 3, context
     assert levels["kin"] == {0}
     assert levels["lookup"] == {1, 2, 3, 4}
+
+
+def _rekeyed(seed: int = 0):
+    """experiments/my_env.py's cipher under another substitution of the same letters: every word it reads or
+    writes is cipher's, but decode's results, and so the answer's argument, differ."""
+    env = family_class(CIPHER)(seed)
+    env.plain = {c: env.plain[env.letters[(i + 1) % len(env.letters)]] for i, c in enumerate(env.letters)}
+    return env
+
+
+def _key(envs, cfg) -> str:
+    from rail.policy_setup import warmstart_cache
+
+    return warmstart_cache(cfg, envs).name
+
+
+def test_cache_key_follows_what_the_environment_demonstrates_not_only_its_words():
+    """The warm-start cache key changes when an environment's behaviour does and its vocabulary does not (a stale
+    warm start would imitate calls that now fail), and is the same for the same environment built again, in
+    this process and in another one with another hash seed (nothing in it hangs on id(), hash() or set order)."""
+    from rail.config import build_config
+
+    cfg = build_config("default", sets=[{"env": {"families": [CIPHER]}}])
+    plain, rekeyed = {CIPHER: make_env(CIPHER, 0)}, {CIPHER: _rekeyed(0)}
+    assert vocabulary(plain) == vocabulary(rekeyed)
+    assert plain[CIPHER].plain != rekeyed[CIPHER].plain
+    key = _key(plain, cfg)
+    assert _key({CIPHER: make_env(CIPHER, 0)}, cfg) == key == _key(plain, cfg)
+    assert _key(rekeyed, cfg) != key
+    code = ("from rail.config import build_config; from rail.envs import make_envs; "
+            "from rail.policy_setup import warmstart_cache; "
+            f"cfg = build_config('default', sets=[{{'env': {{'families': ['{CIPHER}']}}}}]); "
+            "print(warmstart_cache(cfg, make_envs(cfg.env.families, cfg.env.seed, cfg.env.options)).name)")
+    other_seed = "1" if os.environ.get("PYTHONHASHSEED") == "0" else "0"  # this process's is random or set
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": other_seed})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == key
+
+
+def test_cache_key_takes_a_fraction_of_a_second():
+    """Drawing the demonstrations the key hashes is cheap next to the warm start (measured: about 0.3 s with the
+    default config on a 2-core machine; the bound leaves room for a slow, busy one)."""
+    from rail.config import build_config
+
+    cfg = build_config("default")
+    envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
+    t = time.perf_counter()
+    _key(envs, cfg)
+    assert time.perf_counter() - t < 5.0
