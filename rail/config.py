@@ -154,7 +154,6 @@ class ControllerConfig:
     margin: float = F(0.0, "rail: go live when the lower bound of V(bandit) - V(heuristic) exceeds this (and demote symmetrically).")
     consecutive: int = F(2, "rail: consecutive passing checks needed to change mode.")
     escalate: bool = F(True, "rail: after round 0 (every base group), decide again in each later round for the groups its last intervention left without a success, as ladder climbs; the shadowed heuristic is ladder's next untried rung (false: one decision per group and step).")
-    absorption: float = F(0.0, "rail: weight in the bandit's reward of what an intervention's demonstrations revealed (accepted guided rollouts above their group's mean, by their shift measure, per rollout run; docs/controller.md), counted only when learner.guided_sft > 0 (0: the variance gain alone).")
     headroom: bool = F(True, "rail: weight the bandit's reward, and the opportunity of doing nothing, by the headroom of the group's family/level: 1 - the policy's recent unguided pass rate there (docs/controller.md, \"Reward\").")
 
 
@@ -509,8 +508,6 @@ def validate(cfg: Config) -> None:
     if c.bandit_lr <= 0 or c.window < 2 or c.min_events < 0 or c.check_every < 1 or c.consecutive < 1:
         raise ConfigError("controller.bandit_lr > 0, controller.window >= 2, controller.min_events >= 0, "
                           "controller.check_every >= 1 and controller.consecutive >= 1 are required")
-    if not (math.isfinite(c.absorption) and c.absorption >= 0):
-        raise ConfigError(f"controller.absorption = {c.absorption}: must be a finite number >= 0 (0: the variance gain alone)")
     if not L.shift_threshold > 0:
         raise ConfigError(f"learner.shift_threshold = {L.shift_threshold}: must be > 0 (inf: no filter)")
     if L.shaping_gamma < 0:

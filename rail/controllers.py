@@ -396,8 +396,6 @@ class RailController(_Reserving):
             bandit=self.settings, ladder=tuple(ladder), ladder_size=size, heuristic_escalates=escalates,
             escalate=c.escalate, group_size=config.budget.group_size, unit=float(min(c.how_many)),
             budget_unit=config.budget.unit, headroom=c.headroom,
-            # demonstrations count only when the learner distils them (docs/controller.md, "Reward")
-            absorption=c.absorption if config.learner.guided_sft > 0 else 0.0,
             compose=c.compose if c.compose != "auto" else self.compose)
         trace_dir = None if out is None else Path(out) / "traces"
         self.session = Session(session, seed=config.run.seed, trace_dir=trace_dir)
@@ -465,13 +463,12 @@ class RailController(_Reserving):
 
         t0 = time.perf_counter()
         self._add(groups, None)  # fresh groups bought with what the rounds left: the opportunity, pass rates
-        accepted, shifts = {}, {}
+        accepted = {}
         for o in outcomes:
             eid = self._event.get(id(o.decision))
             if eid is not None:
                 accepted[eid] = [_accepted(t) for t in o.trajectories]
-                shifts[eid] = [t.shift if t.context_shifted else None for t in o.trajectories]
-        self.session.end_step(accepted, shifts)
+        self.session.end_step(accepted)
         self._views, self._event = {}, {}
         self.seconds += time.perf_counter() - t0
 

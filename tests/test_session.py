@@ -104,7 +104,7 @@ def test_decide_and_feedback_reward_the_signal_added_per_unit_of_cost(tmp_path):
             want = R.reward([0.0] * 4, [1.0] + [0.0] * (n - 1), cost=n, unit=2.0)
             assert -e["_label_cost"] == pytest.approx(want)
             assert e["_outcome"] == {"cost": float(n), "rollouts": n, "accepted": n, "successes": 1,
-                                     "absorbed": 0.0, "headroom": 1.0}
+                                     "headroom": 1.0}
         else:  # doing nothing earns what fresh groups earn: these all failed, so nothing
             assert e["_outcome"] == {"opportunity": 0.0} and e["_label_cost"] == 0.0
 
@@ -207,7 +207,7 @@ def test_filters_and_headroom_shape_the_reward(tmp_path):
     for c in choices:
         s.ran(c.id, [Rollout(1.0, True), Rollout(1.0, True)], 2)
     # the learner's filter ran after the rounds: it dropped the first rollout of every intervention
-    s.end_step(accepted={c.id: [False, True] for c in choices}, shifts={c.id: [None, 0.3] for c in choices})
+    s.end_step(accepted={c.id: [False, True] for c in choices})
     evs = events(tmp_path)[1:]
     assert len(evs) == 2
     for e in evs:
