@@ -11,7 +11,7 @@ Defined here once:
 * ``reward = min(1, headroom * improvement * unit / cost)``: ``unit`` is the cost of the
   cheapest intervention, so an intervention that gives a dead group full signal at the lowest price scores 1,
   one that needs twice the budget for the same gain scores half.
-* ``headroom`` (1 unless the caller weights by it; ``rail`` passes it with ``controller.headroom``) is
+* ``headroom`` (1 unless the caller weights by it; ``controller.Session`` always does) is
   ``1 - q``, ``q`` the policy's recent unguided pass rate on the group's kind of task (rail: its family and
   level). A unit of learning signal moves success on a kind of task in proportion to what is left to learn
   there: signal on a cell the policy already solves 90 % of the time buys little, signal on a cell it cannot

@@ -116,11 +116,9 @@ class SessionSettings:
                                "action_guide@start")  # the shadowed heuristic's rungs (keys), cheapest first
     ladder_size: int = 2  # the heuristic's option size on every rung
     heuristic_escalates: bool = True  # False: the heuristic acts only on a group nothing was tried on (RTI)
-    escalate: bool = True  # ask again in later rounds for groups an intervention left without a success
     group_size: int = 8  # rollouts of a fresh base group: what doing nothing buys instead
     unit: float = 2.0  # rollouts of the cheapest intervention: the reward's unit of cost
     budget_unit: str = "rollouts"  # or "tokens": costs are tokens; a rollout counts its mean base tokens
-    headroom: bool = True  # weight rewards (and the opportunity) by 1 - the family/level's recent pass rate
     compose: str = "mix"  # intervened rollouts join their group ("mix") or replace its base rollouts ("replace")
     pass_rate_weight: float = 0.1  # weight of a step's own base pass rate in the family/level's EMA
 
@@ -206,13 +204,11 @@ class Session:
 
     def decide(self, budget: float) -> list[Choice]:
         """This round's choices, spending at most ``budget`` in total: one per group asked (round 0: every group
-        with base rollouts; later rounds, with ``escalate``: those whose last intervention ran and left them
-        without a success). An empty list, or choices that all do nothing, end the step's rounds."""
+        with base rollouts; later rounds: those whose last intervention ran and left them without a success). An
+        empty list, or choices that all do nothing, end the step's rounds."""
         t0 = time.perf_counter()
         r = self.round
         self.round += 1
-        if r and not self.s.escalate:
-            return []
         asked, requests = [], []
         for gs in self._groups.values():
             rec = gs.rec
@@ -268,7 +264,7 @@ class Session:
             per_rollout = max(1.0, sum(gen) / len(gen) if gen else 1.0)
         unit = s.unit * per_rollout
         opp = R.opportunity([[r.reward for r in gs.rec.rollouts] for gs in base], s.group_size * per_rollout, unit,
-                            [self._headroom(gs) for gs in base] if s.headroom else None)
+                            [self._headroom(gs) for gs in base])
 
         def kept(eid: str) -> list[Rollout]:
             rs, _ = self._outcomes[eid]
@@ -290,8 +286,8 @@ class Session:
             before = [x.reward for x in gs.rec.rollouts if x.accepted]
             for e in earlier:
                 before += [x.reward for x in kept(e)]
-            h = self._headroom(gs)  # logged either way; it weights the reward with ``headroom``
-            r = R.reward(before, acc_rewards, max(cost, 1), unit, s.compose, headroom=h if s.headroom else 1.0)
+            h = self._headroom(gs)
+            r = R.reward(before, acc_rewards, max(cost, 1), unit, s.compose, headroom=h)
             self.ctl.feedback(eid, r, {"cost": cost, "rollouts": len(rollouts), "accepted": len(acc_rewards),
                                        "successes": sum(1 for x in keep if x.success), "headroom": round(h, 6)})
         w = s.pass_rate_weight

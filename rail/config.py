@@ -153,8 +153,6 @@ class ControllerConfig:
     check_every: int = F(20, "rail: decisions between gate checks.")
     margin: float = F(0.0, "rail: go live when the lower bound of V(bandit) - V(heuristic) exceeds this (and demote symmetrically).")
     consecutive: int = F(2, "rail: consecutive passing checks needed to change mode.")
-    escalate: bool = F(True, "rail: after round 0 (every base group), decide again in each later round for the groups its last intervention left without a success, as ladder climbs; the shadowed heuristic is ladder's next untried rung (false: one decision per group and step).")
-    headroom: bool = F(True, "rail: weight the bandit's reward, and the opportunity of doing nothing, by the headroom of the group's family/level: 1 - the policy's recent unguided pass rate there (docs/controller.md, \"Reward\").")
 
 
 @dataclass

@@ -394,8 +394,7 @@ class RailController(_Reserving):
             ladder, size, escalates = [Intervention.parse(r, 1).key for r in c.ladder], c.ladder_how_many, True
         session = SessionSettings(
             bandit=self.settings, ladder=tuple(ladder), ladder_size=size, heuristic_escalates=escalates,
-            escalate=c.escalate, group_size=config.budget.group_size, unit=float(min(c.how_many)),
-            budget_unit=config.budget.unit, headroom=c.headroom,
+            group_size=config.budget.group_size, unit=float(min(c.how_many)), budget_unit=config.budget.unit,
             compose=c.compose if c.compose != "auto" else self.compose)
         trace_dir = None if out is None else Path(out) / "traces"
         self.session = Session(session, seed=config.run.seed, trace_dir=trace_dir)
