@@ -123,7 +123,6 @@ class LearnerConfig:
     rehearsal_batch: int = F(16, "Demonstrations rehearsed per minibatch when learner.rehearsal > 0.")
     old_logprobs: str = F("engine", "Old (behaviour) log-probs of the PPO ratio: 'engine' (as the rollout engine recorded them) or 'recompute' (the learner's forward pass over the sampled context before the update, with a truncated importance-sampling correction by the engine's log-probs, TRL's vllm_importance_sampling_correction).")
     tis_cap: float = F(3.0, "With learner.old_logprobs = 'recompute': the cap C of the truncated importance-sampling weight min(exp(recomputed - engine log-prob), C) on each token's loss (TRL's vllm_importance_sampling_cap, token_truncate).")
-    injected_gamma: float = F(0.0, "Train the reference step a guided_step intervention wrote into a trajectory as an expert token (LUFFY's off-policy shaping pi/(pi+gamma), positive advantages only); 0: context only, never trained.")
 
 
 @dataclass
@@ -520,8 +519,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"learner.tis_cap = {L.tis_cap}: must be a finite number >= 1 (TRL's default is 3)")
     if r.vllm_kv_cache_mb < 1:
         raise ConfigError(f"rollout.vllm_kv_cache_mb = {r.vllm_kv_cache_mb}: must be >= 1")
-    if L.injected_gamma < 0:
-        raise ConfigError(f"learner.injected_gamma = {L.injected_gamma}: must be >= 0 (0: injected steps are context only)")
 
 
 def config_markdown() -> str:

@@ -59,7 +59,7 @@ def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
                         loss_agg=L.loss_agg, adv_scale=L.adv_scale, kl_coef=L.kl_coef, grad_clip=L.grad_clip,
                         drop_zero_variance=L.drop_zero_variance, mask_all_tools_failed=L.mask_all_tools_failed,
                         entropy_coef=L.entropy_coef, shift_threshold=L.shift_threshold,
-                        shaping_gamma=L.shaping_gamma, injected_gamma=L.injected_gamma,
+                        shaping_gamma=L.shaping_gamma,
                         guided_sft=L.guided_sft,
                         guided_replay=L.guided_replay, rehearsal=L.rehearsal, rehearsal_batch=L.rehearsal_batch,
                         old_logprobs=L.old_logprobs, tis_cap=L.tis_cap,
