@@ -200,10 +200,6 @@ class Config:
 PRESETS: dict[str, dict] = {
     # The CPU demonstration: warm start + GRPO on both families, under 10 minutes on 2 cores.
     "default": {},
-    # The default preset with plain GRPO's treatment of intervened rollouts (the clipped ratio on the stripped
-    # context alone: no rationalization, guided replay, shaping or rehearsal), the learner's defaults before the
-    # rehearsal ablation (docs/benchmarks.md); the benchmarks measured before it reproduce with it.
-    "plain": {"learner": {"guided_sft": 0.0, "guided_replay": False, "shaping_gamma": 0.0, "rehearsal": 0.0}},
     # Under a minute, for tests: a smaller model, fewer tasks, a few steps.
     "smoke": {
         "run": {"name": "smoke", "steps": 3, "checkpoint_every": 2},
