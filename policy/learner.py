@@ -20,40 +20,7 @@ import torch
 from policy import grpo
 from policy.packing import forward_logits
 from policy.records import Origin, Trajectory
-
-
-COMPOSITIONS = ("mix", "replace")
-OLD_LOGPROBS = ("engine", "recompute")
-
-
-@dataclass(frozen=True)
-class LearnerSettings:
-    lr: float = 1e-3
-    schedule: str = "constant"  # constant | linear | cosine
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    epochs: int = 2
-    minibatch_size: int = 32
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    clip_ratio_c: float = 0.0  # dual clip for A < 0 (0: off)
-    loss_agg: str = "token_mean"
-    adv_scale: str = "std"
-    kl_coef: float = 0.0
-    grad_clip: float = 1.0
-    drop_zero_variance: bool = True
-    mask_all_tools_failed: bool = True
-    entropy_coef: float = 0.0
-    shift_threshold: float = float("inf")  # drop intervened trajectories whose shift measure exceeds this
-    shaping_gamma: float = 0.0  # LUFFY policy shaping on guided tokens (0: off, the ordinary clipped ratio)
-    guided_sft: float = 0.0  # STaR rationalization: beta x stripped-context NLL of guided tokens, above-baseline rollouts
-    guided_replay: bool = False  # also train each trained guided rollout in its guided context (on-policy there)
-    rehearsal: float = 0.0  # PPO-ptx-style: lambda x the NLL of demonstrations from the rehearsal source, every minibatch
-    rehearsal_batch: int = 16  # demonstrations per minibatch when rehearsal > 0
-    old_logprobs: str = "engine"  # engine | recompute (the learner's own, with truncated IS by the engine's)
-    tis_cap: float = 3.0  # truncated importance-sampling cap with old_logprobs = "recompute"
-    temperature: float = 1.0  # logits are divided by the rollout temperature, as the behaviour's were
-    max_tokens: int = 96  # Dr.GRPO's constant normaliser: the most tokens a rollout can generate
+from policy.settings import COMPOSITIONS, OLD_LOGPROBS, LearnerSettings  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -151,7 +118,8 @@ class GRPOLearner:
         """``total_steps``: the training steps (``update`` calls) the learning-rate schedule spans.
         ``rehearsal_source(n)``: ``n`` fresh demonstrations to rehearse (required when ``settings.rehearsal`` > 0)."""
         if settings.rehearsal > 0 and rehearsal_source is None:
-            raise ValueError("learner rehearsal > 0 needs a rehearsal_source (demonstrations to rehearse)")
+            raise ValueError("learner rehearsal > 0 (the default is 1) needs a rehearsal_source (demonstrations to "
+                             "rehearse); set rehearsal=0 to train without one")
         self.model = model
         self.rehearsal_source = rehearsal_source
         self.s = settings

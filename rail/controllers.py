@@ -383,11 +383,10 @@ class RailController(_Reserving):
         from pathlib import Path
 
         from controller import Session, SessionSettings, Settings
+        from rail.settings import settings_from
 
         c = config.controller
-        self.settings = Settings(epsilon=c.epsilon, heuristic_epsilon=c.heuristic_epsilon, lr=c.bandit_lr,
-                                 mode=c.start_mode, window=c.window, min_events=c.min_events,
-                                 check_every=c.check_every, margin=c.margin, consecutive=c.consecutive)
+        self.settings = settings_from(Settings, c)  # the bandit and its gate: [controller] fields of the same names
         if c.shadow == "rti":  # RTI: one hint, on a group nothing was tried on
             ladder, size, escalates = [Intervention.parse("rubric_hint@violation", 1).key], c.rti_how_many, False
         else:

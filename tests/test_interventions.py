@@ -200,9 +200,15 @@ def test_guided_sft_by_hand():
                            sft_mask=off)
 
 
+#: plain GRPO's learner (the defaults are rail's recipe: rationalization, guided replay, shaping, rehearsal),
+#: with a constant learning rate and no shift filter, which the tests below switch on one at a time
+PLAIN = dict(schedule="constant", shift_threshold=float("inf"), shaping_gamma=0.0, guided_sft=0.0,
+             guided_replay=False, rehearsal=0.0)
+
+
 def _learner(model, tok, **kw):
-    return GRPOLearner(model, LearnerSettings(lr=1e-3, epochs=1, minibatch_size=8, **kw), total_steps=10,
-                       pad_id=ChatRenderer(tok).pad)
+    return GRPOLearner(model, LearnerSettings(**{**PLAIN, "lr": 1e-3, "epochs": 1, "minibatch_size": 8, **kw}),
+                       total_steps=10, pad_id=ChatRenderer(tok).pad)
 
 
 def test_learner_shift_and_ratio_match_a_hand_forward_pass(env, tok, model, task):
@@ -381,7 +387,8 @@ def test_rehearsal_adds_the_demonstrations_nll_and_lowers_it(env, tok, model, ta
 
     with pytest.raises(ValueError, match="rehearsal_source"):
         GRPOLearner(m, LearnerSettings(rehearsal=1.0), total_steps=1, pad_id=r.pad)
-    learner = GRPOLearner(m, LearnerSettings(lr=1e-2, epochs=1, minibatch_size=8, rehearsal=0.5, rehearsal_batch=2),
+    learner = GRPOLearner(m, LearnerSettings(**{**PLAIN, "lr": 1e-2, "epochs": 1, "minibatch_size": 8,
+                                                "rehearsal": 0.5, "rehearsal_batch": 2}),
                           total_steps=10, pad_id=r.pad, rehearsal_source=source)
     src = failed_at_second_call(env, task, r)
     with torch.no_grad():
