@@ -52,8 +52,8 @@ log = logging.getLogger("rail")
 def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
     """The GRPO learner's settings: every ``[learner]`` field by name, and the rollout temperature and length
     (``overrides`` replace fields, e.g. ``schedule='constant'`` for a loop without a fixed number of steps)."""
-    return settings_from(LearnerSettings, cfg.learner, temperature=cfg.rollout.temperature,
-                         max_tokens=cfg.max_rollout_tokens, **overrides)
+    return settings_from(LearnerSettings, cfg.learner, **{"temperature": cfg.rollout.temperature,
+                                                          "max_tokens": cfg.max_rollout_tokens, **overrides})
 
 
 def _transformers_engine(cfg: Config, model, renderer: ChatRenderer, workdir: Path | None):

@@ -95,6 +95,7 @@ def test_the_learner_is_built_from_the_config_by_name():
     assert (s.lr, s.rehearsal, s.shift_threshold, s.old_logprobs) == (1e-4, 0.0, float("inf"), "recompute")
     assert s.temperature == 0.5 and s.max_tokens == cfg.max_rollout_tokens
     assert learner_settings(cfg, schedule="constant").schedule == "constant"
+    assert learner_settings(cfg, temperature=1.0).temperature == 1.0  # overrides replace any field
     # at the defaults, the settings are the class's own defaults
     d = Config()
     assert learner_settings(d) == LearnerSettings(temperature=d.rollout.temperature, max_tokens=d.max_rollout_tokens)
