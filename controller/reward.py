@@ -8,19 +8,10 @@ Defined here once:
 * ``improvement = max(0, signal(after) - signal(before))``: ``before`` is the base rollouts, ``after`` the base
   rollouts plus the intervention's rollouts that the learner accepted (``mix``), or the accepted rollouts
   alone (``replace``). Rollouts the shift filter rejected add nothing.
-* ``absorbed = (1 / ran) * sum over demonstrations of min(1, max(0, shift))``, only when the learner distils
-  guided successes (``weight > 0``; rail passes ``controller.absorption`` when ``learner.guided_sft > 0``). A
-  *demonstration* is an accepted rollout sampled under guidance (it has a shift measure) whose reward beats the
-  mean of the group it joined: exactly the rollouts rationalization fine-tunes on in the context without the
-  guidance. Its ``shift`` (mean log-ratio, guided vs stripped context, under the weights about to train) is
-  the one-sample estimate of the forward KL that distillation closes: the nats per token the guidance revealed,
-  capped at 1. ``ran`` is the number of rollouts the intervention ran, so it is a mean over what was spent. A
-  success that adds no variance (the group already had signal) still teaches what the guidance revealed; a
-  rollout the shift filter rejected, or one the policy would have sampled anyway (shift 0), teaches nothing.
-* ``reward = min(1, headroom * (improvement + weight * absorbed) * unit / cost)``: ``unit`` is the cost of the
+* ``reward = min(1, headroom * improvement * unit / cost)``: ``unit`` is the cost of the
   cheapest intervention, so an intervention that gives a dead group full signal at the lowest price scores 1,
   one that needs twice the budget for the same gain scores half.
-* ``headroom`` (1 unless the caller weights by it; ``rail`` passes it with ``controller.headroom``) is
+* ``headroom`` (1 unless the caller weights by it; ``controller.Session`` always does) is
   ``1 - q``, ``q`` the policy's recent unguided pass rate on the group's kind of task (rail: its family and
   level). A unit of learning signal moves success on a kind of task in proportion to what is left to learn
   there: signal on a cell the policy already solves 90 % of the time buys little, signal on a cell it cannot
@@ -51,24 +42,6 @@ def improvement(before: Sequence[float], accepted: Sequence[float], compose: str
     return max(0.0, signal(after) - signal(before))
 
 
-def absorbed(before: Sequence[float], accepted: Sequence[float], shifts: Sequence[float | None], ran: int,
-             compose: str = "mix") -> float:
-    """What the intervention's demonstrations revealed, per rollout it ran, in [0, 1].
-
-    ``shifts[i]`` is the shift measure of ``accepted[i]`` (None for a rollout not sampled under guidance, which
-    the learner does not distil); non-finite values count as 0.
-    """
-    if len(shifts) != len(accepted):
-        raise ValueError(f"{len(shifts)} shift measures for {len(accepted)} accepted rollouts")
-    if ran <= 0 or not accepted:
-        return 0.0
-    after = list(accepted) if compose == "replace" else [*before, *accepted]
-    mean = sum(after) / len(after)
-    total = sum(min(1.0, max(0.0, s)) for r, s in zip(accepted, shifts)
-                if s is not None and math.isfinite(s) and r > mean)
-    return min(1.0, total / max(ran, len(accepted)))
-
-
 def _check_headroom(h: float) -> float:
     if not (math.isfinite(h) and 0.0 <= h <= 1.0):
         raise ValueError(f"a headroom must be in [0, 1] (1 - a pass rate), got {h}")
@@ -76,18 +49,11 @@ def _check_headroom(h: float) -> float:
 
 
 def reward(before: Sequence[float], accepted: Sequence[float], cost: float, unit: float,
-           compose: str = "mix", shifts: Sequence[float | None] | None = None, ran: int | None = None,
-           weight: float = 0.0, headroom: float = 1.0) -> float:
-    """Improvement (plus ``weight`` x what its demonstrations revealed), times ``headroom``, per unit of cost,
-    bounded in [0, 1]."""
+           compose: str = "mix", headroom: float = 1.0) -> float:
+    """Improvement times ``headroom``, per unit of cost, bounded in [0, 1]."""
     if cost <= 0:
         raise ValueError(f"an intervention's cost must be > 0, got {cost}")
-    if weight < 0:
-        raise ValueError(f"the absorption weight must be >= 0, got {weight}")
-    gain = improvement(before, accepted, compose)
-    if weight > 0 and shifts is not None:
-        gain += weight * absorbed(before, accepted, shifts, len(accepted) if ran is None else ran, compose)
-    return min(1.0, _check_headroom(headroom) * gain * unit / cost)
+    return min(1.0, _check_headroom(headroom) * improvement(before, accepted, compose) * unit / cost)
 
 
 def opportunity(group_rewards: Sequence[Sequence[float]], group_cost: float, unit: float,

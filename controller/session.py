@@ -67,7 +67,6 @@ class Rollout:
     logprobs: Sequence[float] = ()  # behaviour log-probs of the tokens the policy sampled (not tool or injected ones)
     tokens: int = 0  # tokens it generated (a copied prefix not counted)
     accepted: bool = True  # the learner trains on it (False: a filter, e.g. a shift filter, dropped it)
-    shift: float | None = None  # for a rollout sampled under guidance the learner strips: its shift measure
 
 
 @dataclass
@@ -120,12 +119,9 @@ class SessionSettings:
                                "action_guide@start")  # the shadowed heuristic's rungs (keys), cheapest first
     ladder_size: int = 2  # the heuristic's option size on every rung
     heuristic_escalates: bool = True  # False: the heuristic acts only on a group nothing was tried on (RTI)
-    escalate: bool = True  # ask again in later rounds for groups an intervention left without a success
     group_size: int = 8  # rollouts of a fresh base group: what doing nothing buys instead
     unit: float = 2.0  # rollouts of the cheapest intervention: the reward's unit of cost
     budget_unit: str = "rollouts"  # or "tokens": costs are tokens; a rollout counts its mean base tokens
-    headroom: bool = True  # weight rewards (and the opportunity) by 1 - the family/level's recent pass rate
-    absorption: float = 0.0  # weight of what accepted guided demonstrations revealed (0 unless the learner distils)
     compose: str = "mix"  # intervened rollouts join their group ("mix") or replace its base rollouts ("replace")
     pass_rate_weight: float = 0.1  # weight of a step's own base pass rate in the family/level's EMA
 
@@ -139,8 +135,6 @@ class SessionSettings:
             raise ValueError(f"compose must be 'mix' or 'replace', got {self.compose!r}")
         if self.ladder_size < 1 or self.group_size < 1 or not self.unit > 0:
             raise ValueError("ladder_size >= 1, group_size >= 1 and unit > 0 are required")
-        if not (self.absorption >= 0 and self.absorption != float("inf")):
-            raise ValueError(f"absorption must be a finite number >= 0, got {self.absorption}")
         if not 0.0 < self.pass_rate_weight <= 1.0:
             raise ValueError(f"pass_rate_weight must be in (0, 1], got {self.pass_rate_weight}")
 
@@ -185,7 +179,6 @@ class Session:
         self.seconds = 0.0  # time spent in the session's own methods
         self.step, self.total_steps, self.step_budget = 0, 1, 1.0
         self.round = 0
-        self.absorbed: list[float] = []  # this step's interventions: what their demonstrations revealed
         self._groups: dict[str, _Group] = {}
         self._made: list[tuple[str, _Group, Option | None, list[str]]] = []  # (event, group, option, ran before it)
         self._by_id: dict[str, tuple] = {}
@@ -198,7 +191,7 @@ class Session:
         if self._made:
             raise RuntimeError("begin_step: the previous step was not ended (call end_step)")
         self.step, self.total_steps, self.step_budget = step, max(1, total_steps), max(1, step_budget)
-        self.round, self.absorbed = 0, []
+        self.round = 0
         self._groups, self._outcomes = {}, {}
 
     def add(self, groups: Sequence[ScoredGroup]) -> None:
@@ -214,13 +207,11 @@ class Session:
 
     def decide(self, budget: float) -> list[Choice]:
         """This round's choices, spending at most ``budget`` in total: one per group asked (round 0: every group
-        with base rollouts; later rounds, with ``escalate``: those whose last intervention ran and left them
-        without a success). An empty list, or choices that all do nothing, end the step's rounds."""
+        with base rollouts; later rounds: those whose last intervention ran and left them without a success). An
+        empty list, or choices that all do nothing, end the step's rounds."""
         t0 = time.perf_counter()
         r = self.round
         self.round += 1
-        if r and not self.s.escalate:
-            return []
         asked, requests = [], []
         for gs in self._groups.values():
             rec = gs.rec
@@ -259,15 +250,14 @@ class Session:
         gs.n_success += sum(1 for x in rollouts if x.success)
         self.seconds += time.perf_counter() - t0
 
-    def end_step(self, accepted: Mapping[str, Sequence[bool]] | None = None,
-                 shifts: Mapping[str, Sequence[float | None]] | None = None) -> None:
+    def end_step(self, accepted: Mapping[str, Sequence[bool]] | None = None) -> None:
         """Reward every decision of the step and learn from it; update the pass rates.
 
-        ``accepted`` / ``shifts`` (per choice id, per rollout in the order reported) override the rollouts' own
-        ``accepted`` and ``shift`` fields, for a trainer whose filters run after the rounds (rail's shift filter).
+        ``accepted`` (per choice id, per rollout in the order reported) overrides the rollouts' own ``accepted``
+        fields, for a trainer whose filters run after the rounds (rail's shift filter).
         """
         t0 = time.perf_counter()
-        accepted, shifts = accepted or {}, shifts or {}
+        accepted = accepted or {}
         s = self.s
         groups = list(self._groups.values())
         base = [gs for gs in groups if gs.rec.rollouts]
@@ -277,15 +267,14 @@ class Session:
             per_rollout = max(1.0, sum(gen) / len(gen) if gen else 1.0)
         unit = s.unit * per_rollout
         opp = R.opportunity([[r.reward for r in gs.rec.rollouts] for gs in base], s.group_size * per_rollout, unit,
-                            [self._headroom(gs) for gs in base] if s.headroom else None)
+                            [self._headroom(gs) for gs in base])
 
-        def kept(eid: str) -> list[tuple[Rollout, float | None]]:
+        def kept(eid: str) -> list[Rollout]:
             rs, _ = self._outcomes[eid]
             acc = accepted.get(eid) or [x.accepted for x in rs]
-            sh = shifts.get(eid) or [x.shift for x in rs]
-            if len(acc) != len(rs) or len(sh) != len(rs):
-                raise ValueError(f"{eid}: {len(acc)} accepted flags and {len(sh)} shifts for {len(rs)} rollouts")
-            return [(x, y) for x, a, y in zip(rs, acc, sh) if a]
+            if len(acc) != len(rs):
+                raise ValueError(f"{eid}: {len(acc)} accepted flags for {len(rs)} rollouts")
+            return [x for x, a in zip(rs, acc) if a]
 
         for eid, gs, opt, earlier in self._made:
             if opt is None:
@@ -296,20 +285,14 @@ class Session:
                 continue
             rollouts, cost = self._outcomes[eid]
             keep = kept(eid)
-            acc_rewards = [x.reward for x, _ in keep]
-            acc_shifts = [y for _, y in keep]
+            acc_rewards = [x.reward for x in keep]
             before = [x.reward for x in gs.rec.rollouts if x.accepted]
             for e in earlier:
-                before += [x.reward for x, _ in kept(e)]
-            h = self._headroom(gs)  # logged either way; it weights the reward with ``headroom``
-            r = R.reward(before, acc_rewards, max(cost, 1), unit, s.compose, shifts=acc_shifts, ran=len(rollouts),
-                         weight=s.absorption, headroom=h if s.headroom else 1.0)
-            absorbed = (R.absorbed(before, acc_rewards, acc_shifts, len(rollouts), s.compose)
-                        if s.absorption > 0 else 0.0)
-            self.absorbed.append(absorbed)
+                before += [x.reward for x in kept(e)]
+            h = self._headroom(gs)
+            r = R.reward(before, acc_rewards, max(cost, 1), unit, s.compose, headroom=h)
             self.ctl.feedback(eid, r, {"cost": cost, "rollouts": len(rollouts), "accepted": len(acc_rewards),
-                                       "successes": sum(1 for x, _ in keep if x.success),
-                                       "absorbed": round(absorbed, 6), "headroom": round(h, 6)})
+                                       "successes": sum(1 for x in keep if x.success), "headroom": round(h, 6)})
         w = s.pass_rate_weight
         for gs in base:  # drift made visible: the recent pass rate per family/level
             rate = gs.base_pass
@@ -387,8 +370,6 @@ class Session:
              "controller/events": float(self.ctl.learned),
              "controller/transitions": float(len(self.ctl.transitions)),
              "controller/seconds": self.seconds}
-        if self.absorbed:
-            m["controller/absorbed"] = sum(self.absorbed) / len(self.absorbed)
         for k in ("diff", "diff_lower", "diff_upper", "bandit_dr", "heuristic_dr", "logged"):
             if k in ev:
                 m[f"controller/{k}"] = float(ev[k])

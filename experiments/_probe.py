@@ -19,13 +19,18 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
                     help="a config field, as in rail train --set")
 
 
+#: Plain GRPO's treatment of intervened rollouts (the clipped ratio on the stripped context alone: no
+#: rationalization, guided replay, shaping or rehearsal), which the probes measure treatments against.
+PLAIN_LEARNER = {"learner": {"guided_sft": 0.0, "guided_replay": False, "shaping_gamma": 0.0, "rehearsal": 0.0}}
+
+
 def setup(a: argparse.Namespace):
-    """``(cfg, envs, model, renderer, engine, params, info)`` for the ``plain`` preset (the default one with plain
-    GRPO's learner, which the probes measure treatments against) with ``a.sets`` applied (tracking off): the cached
-    warm start of that config, or a newly trained one."""
+    """``(cfg, envs, model, renderer, engine, params, info)`` for the default preset with plain GRPO's learner
+    (:data:`PLAIN_LEARNER`) and ``a.sets`` applied (tracking off): the cached warm start of that config, or a newly
+    trained one."""
     if a.threads:
         torch.set_num_threads(a.threads)
-    cfg = build_config("plain", sets=[{"tracking": {"uri": ""}}] + [parse_set(s) for s in a.sets])
+    cfg = build_config("default", sets=[PLAIN_LEARNER, {"tracking": {"uri": ""}}] + [parse_set(s) for s in a.sets])
     envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
     model, tok, info = make_policy(cfg, envs)
     renderer = ChatRenderer(tok)

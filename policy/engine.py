@@ -1,6 +1,6 @@
 """Rollout engines: batched multi-turn generation with tool calls executed between turns.
 
-An engine takes :class:`RolloutRequest` objects and returns :class:`~policy.records.Trajectory` records,
+An engine takes :class:`~policy.records.RolloutRequest` objects and returns :class:`~policy.records.Trajectory` records,
 token-in/token-out: the prompt is rendered once through the chat template, every assistant turn is sampled
 token by token, and tool observations are appended as template tokens (never re-tokenising earlier text).
 A request may continue a trajectory from a prefix (its first ``t`` turns, copied with their tokens and
@@ -19,7 +19,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from policy.kvcache import grouped_heads_in_place, make_roomy, merge_rows, split_rows
-from policy.records import Guidance, Origin, Trajectory
+from policy.records import Guidance, Origin, RolloutRequest, Trajectory  # noqa: F401 - RolloutRequest: the engine's input
 from policy.sampling import sample_tokens
 from policy.tokenizer import ChatRenderer
 
@@ -30,27 +30,6 @@ class SamplingParams:
     top_p: float = 1.0
     max_tokens_per_turn: int = 16
     max_turns: int = 8
-
-
-@dataclass
-class RolloutRequest:
-    """One rollout to generate.
-
-    ``env`` is anything with ``step(task, text) -> step record`` (``.observation``, ``.ok``, ``.done``, optionally
-    ``.user``: the next user message, rendered in place of the tool message): it parses the assistant turn's
-    text, runs the tool and never raises for bad model output. If it has ``begin(task, prefix_steps)``, each
-    rollout runs on what that returns (a stateful environment's own episode, at the prefix's state). If it has
-    ``tools`` (JSON schemas, OpenAI function format), the chat template lists them in the prompt.
-    """
-
-    task: Any
-    env: Any
-    system: str
-    group: int = 0
-    prefix: Trajectory | None = None
-    prefix_turns: int = 0
-    guidance: Guidance | None = None
-    intervention: dict | None = None
 
 
 @dataclass

@@ -291,8 +291,7 @@ def shift_measure(train_logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> T
 def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps_low: float, eps_high: float,
                   aggregation: str, max_tokens: int | None = None, ref_logp: Tensor | None = None,
                   kl_coef: float = 0.0, offpolicy_mask: Tensor | None = None,
-                  shaping_gamma: float = 0.0, expert_mask: Tensor | None = None,
-                  expert_gamma: float = 0.1, guided_sft: float = 0.0,
+                  shaping_gamma: float = 0.0, guided_sft: float = 0.0,
                   sft_mask: Tensor | None = None,
                   is_weight: Tensor | None = None,
                   clip_ratio_c: float = 0.0) -> tuple[Tensor, dict[str, float]]:
@@ -309,12 +308,6 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
     With ``shaping_gamma > 0``, tokens in ``offpolicy_mask`` (sampled under guidance) use LUFFY's policy
     shaping instead: ``l_t = -f(pi_t) A_t`` with ``f(pi) = pi / (pi + gamma)``, ``pi_t = exp(logp_t)``, no
     clipping; it keeps the gradient of low-probability guided tokens from vanishing.
-
-    Tokens in ``expert_mask`` were written by the intervention, not sampled (an injected reference step:
-    behaviour probability 1, no ratio to clip). They are trained as LUFFY trains off-policy expert tokens,
-    ``l_t = -f(pi_t) max(A_t, 0)`` with ``f(pi) = pi / (pi + expert_gamma)``: a reference action is pulled up
-    in a trajectory that did better than its group and never pushed down when the trajectory failed later.
-    They join the aggregation (``mask`` is widened by ``expert_mask``).
 
     With ``guided_sft = beta > 0``, tokens in ``sft_mask`` (the learner passes ``offpolicy_mask``: sampled under
     guidance the training context strips) of a trajectory that did better than its group (``A > 0``) also get
@@ -365,18 +358,11 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
         raise ValueError(f"eps_low and eps_high must be >= 0; got {eps_low}, {eps_high}")
     if clip_ratio_c != 0 and not clip_ratio_c > 1:
         raise ValueError(f"clip_ratio_c must be > 1 (or 0: no dual clip); got {clip_ratio_c}")
-    expert = None
-    if expert_mask is not None:
-        if expert_mask.shape != logp.shape:
-            raise ValueError(f"expert_mask must be (B, T) like logp; got {tuple(expert_mask.shape)}")
-        if expert_gamma <= 0:
-            raise ValueError(f"expert_gamma must be > 0; got {expert_gamma}")
-        expert = _as_bool(expert_mask) & ~_as_bool(mask)  # (B, T)
     sampled = _as_bool(mask)  # (B, T): tokens with a behaviour log-prob
-    m = sampled if expert is None else sampled | expert  # (B, T): every trained token
+    m = sampled  # (B, T): every trained token
     zeros = torch.zeros_like(logp)  # (B, T)
     adv = adv.to(logp.dtype)
-    log_ratio = torch.where(sampled, logp - old_logp.detach().to(logp.dtype), zeros)  # (B, T); 0 on expert tokens
+    log_ratio = torch.where(sampled, logp - old_logp.detach().to(logp.dtype), zeros)  # (B, T)
     log_ratio = torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T); exp stays finite in float32
     ratio = torch.exp(log_ratio)  # (B, T); exactly 1 outside the mask
     surr = ratio * adv  # (B, T)
@@ -394,9 +380,6 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
         shaped = m & _as_bool(offpolicy_mask)  # (B, T)
         pi = torch.exp(torch.where(shaped, logp, zeros))  # (B, T)
         pg = torch.where(shaped, -(pi / (pi + shaping_gamma)) * adv, pg)  # (B, T)
-    if expert is not None:
-        pi_e = torch.exp(torch.where(expert, logp, zeros))  # (B, T)
-        pg = torch.where(expert, -(pi_e / (pi_e + expert_gamma)) * adv.clamp(min=0), pg)  # (B, T)
     if is_weight is not None:
         if is_weight.shape != logp.shape:
             raise ValueError(f"is_weight must be (B, T) like logp; got {tuple(is_weight.shape)}")
@@ -426,8 +409,6 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
         n = int(m.sum())
         denom = float(max(n, 1))
         clipped = m if shaped is None else m & ~shaped  # shaped tokens are never clipped
-        if expert is not None:
-            clipped = clipped & ~expert
         high = clipped & (adv > 0) & (ratio > 1.0 + eps_high)  # (B, T)
         low = clipped & (adv < 0) & (ratio < 1.0 - eps_low)  # (B, T)
         clip_high = float(high.sum()) / denom
@@ -441,7 +422,6 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps
             "ratio_max": float(ratio[m].max()) if n else 0.0,
             "kl": float(kl[m].sum()) / denom if (use_kl and n) else 0.0,
             "pg_loss": float(aggregate(pg, m, aggregation, max_tokens)),
-            "expert_tokens": float(expert.sum()) if expert is not None else 0.0,
             "sft_tokens": float(sft.sum()) if sft is not None else 0.0,
         }
     return loss, stats

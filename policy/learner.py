@@ -20,41 +20,7 @@ import torch
 from policy import grpo
 from policy.packing import forward_logits
 from policy.records import ZERO_VARIANCE_TOL, Origin, Status, Trajectory
-
-
-COMPOSITIONS = ("mix", "replace")
-OLD_LOGPROBS = ("engine", "recompute")
-
-
-@dataclass(frozen=True)
-class LearnerSettings:
-    lr: float = 1e-3
-    schedule: str = "constant"  # constant | linear | cosine
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    epochs: int = 2
-    minibatch_size: int = 32
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    clip_ratio_c: float = 0.0  # dual clip for A < 0 (0: off)
-    loss_agg: str = "token_mean"
-    adv_scale: str = "std"
-    kl_coef: float = 0.0
-    grad_clip: float = 1.0
-    drop_zero_variance: bool = True
-    mask_all_tools_failed: bool = True
-    entropy_coef: float = 0.0
-    shift_threshold: float = float("inf")  # drop intervened trajectories whose shift measure exceeds this
-    shaping_gamma: float = 0.0  # LUFFY policy shaping on guided tokens (0: off, the ordinary clipped ratio)
-    injected_gamma: float = 0.0  # train injected reference steps as expert tokens, f = pi/(pi+gamma) (0: context only)
-    guided_sft: float = 0.0  # STaR rationalization: beta x stripped-context NLL of guided tokens, above-baseline rollouts
-    guided_replay: bool = False  # also train each trained guided rollout in its guided context (on-policy there)
-    rehearsal: float = 0.0  # PPO-ptx-style: lambda x the NLL of demonstrations from the rehearsal source, every minibatch
-    rehearsal_batch: int = 16  # demonstrations per minibatch when rehearsal > 0
-    old_logprobs: str = "engine"  # engine | recompute (the learner's own, with truncated IS by the engine's)
-    tis_cap: float = 3.0  # truncated importance-sampling cap with old_logprobs = "recompute"
-    temperature: float = 1.0  # logits are divided by the rollout temperature, as the behaviour's were
-    max_tokens: int = 96  # Dr.GRPO's constant normaliser: the most tokens a rollout can generate
+from policy.settings import COMPOSITIONS, OLD_LOGPROBS, LearnerSettings  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -229,7 +195,8 @@ class GRPOLearner:
         """``total_steps``: the training steps (``update`` calls) the learning-rate schedule spans.
         ``rehearsal_source(n)``: ``n`` fresh demonstrations to rehearse (required when ``settings.rehearsal`` > 0)."""
         if settings.rehearsal > 0 and rehearsal_source is None:
-            raise ValueError("learner rehearsal > 0 needs a rehearsal_source (demonstrations to rehearse)")
+            raise ValueError("learner rehearsal > 0 (the default is 1) needs a rehearsal_source (demonstrations to "
+                             "rehearse); set rehearsal=0 to train without one")
         self.model = model
         self.rehearsal_source = rehearsal_source
         self.s = settings
@@ -318,13 +285,12 @@ class GRPOLearner:
         return next(self.model.parameters()).device
 
     def _batch(self, trajs: list[Trajectory], advs: list[float]):
-        ids, attn, mask, old, post_tool, off, inj = pad_training_views(trajs, self.pad_id, self.device)
+        ids, attn, mask, old, post_tool, off, _ = pad_training_views(trajs, self.pad_id, self.device)
         B, L = ids.shape
         adv = torch.tensor(advs, dtype=torch.float, device=self.device)[:, None].expand(B, L - 1)  # (B, T)
         isw = is_weight_view(trajs)[:, 1:].to(self.device) if self.s.old_logprobs == "recompute" else None  # (B, T)
         # token k is predicted from position k-1: shift everything that describes targets by one
-        return (ids, attn, mask[:, 1:], old[:, 1:], post_tool[:, 1:] & (mask[:, 1:] > 0), adv, off[:, 1:],
-                inj[:, 1:], isw)
+        return ids, attn, mask[:, 1:], old[:, 1:], post_tool[:, 1:] & (mask[:, 1:] > 0), adv, off[:, 1:], isw
 
     def _logits(self, model, ids, attn) -> torch.Tensor:
         logits = forward_logits(model, ids, attn, self.pad_id)[:, :-1].float()  # (B, T, V), packed
@@ -345,7 +311,7 @@ class GRPOLearner:
             order = torch.randperm(n, generator=generator).tolist()
             for i in range(0, n, s.minibatch_size):
                 sel = order[i : i + s.minibatch_size]
-                ids, attn, mask, old, shape_mask, adv, off, inj, isw = self._batch(
+                ids, attn, mask, old, shape_mask, adv, off, isw = self._batch(
                     [batch.trajectories[j] for j in sel], [batch.advantages[j] for j in sel])
                 logits = self._logits(self.model, ids, attn)  # (B, T, V)
                 logp = grpo.gather_logprobs(logits, ids[:, 1:])  # (B, T)
@@ -359,8 +325,7 @@ class GRPOLearner:
                 loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, s.eps_low, s.eps_high, s.loss_agg,
                                               max_tokens=s.max_tokens, ref_logp=ref, kl_coef=s.kl_coef,
                                               offpolicy_mask=off, shaping_gamma=s.shaping_gamma,
-                                              expert_mask=inj if s.injected_gamma > 0 else None,
-                                              expert_gamma=s.injected_gamma, guided_sft=s.guided_sft,
+                                              guided_sft=s.guided_sft,
                                               sft_mask=off, is_weight=isw, clip_ratio_c=s.clip_ratio_c)
                 if s.rehearsal > 0:  # PPO-ptx: keep the demonstrations' likelihood up beside the RL objective
                     nll = sft_loss(self.model, self.rehearsal_source(s.rehearsal_batch), self.pad_id)

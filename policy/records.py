@@ -1,4 +1,4 @@
-"""The rollout -> learner contract: one flat record per trajectory.
+"""The rollout -> learner contract: one flat record per trajectory, and the request an engine turns into one.
 
 The engine fills it, the environment scores it, the learner reads only these fields. Guidance (a hint message
 or a plan) is kept in the record *as sampled* and marked, so the learner can strip it from the training
@@ -176,3 +176,24 @@ class Trajectory:
             turns.append(t)
             origin.append(o)
         return ids, mask, lps, turns, origin
+
+
+@dataclass
+class RolloutRequest:
+    """One rollout to generate.
+
+    ``env`` is anything with ``step(task, text) -> step record`` (``.observation``, ``.ok``, ``.done``, optionally
+    ``.user``: the next user message, rendered in place of the tool message): it parses the assistant turn's
+    text, runs the tool and never raises for bad model output. If it has ``begin(task, prefix_steps)``, each
+    rollout runs on what that returns (a stateful environment's own episode, at the prefix's state). If it has
+    ``tools`` (JSON schemas, OpenAI function format), the chat template lists them in the prompt.
+    """
+
+    task: Any
+    env: Any
+    system: str
+    group: int = 0
+    prefix: Trajectory | None = None
+    prefix_turns: int = 0
+    guidance: Guidance | None = None
+    intervention: dict | None = None

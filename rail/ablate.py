@@ -42,6 +42,7 @@ from typing import Callable
 
 from policy.fileio import write_text_atomic
 from rail.config import Config, ConfigError, build_config, merge, read_json, read_text, validate
+from rail.cores import usable_cores
 
 TOP_LEVEL = ("ablation", "base", "preset", "arms", "resources")
 ABLATION_KEYS = ("name", "description", "seeds")
@@ -346,13 +347,6 @@ def classify(job: Job) -> str:
     return action
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def _stderr_tail(path: Path, offset: int, n: int = 20) -> list[str]:
     """The last ``n`` lines this attempt wrote to stderr, without progress-bar redraws."""
     try:
@@ -438,7 +432,7 @@ class ProcessBackend:
     signals_reach_jobs = True  # a Ctrl-C in the terminal reaches the children too (one process group)
 
     def threads(self, workers: int) -> int:
-        return max(1, _cores() // workers)
+        return max(1, usable_cores() // workers)
 
     def describe(self, workers: int, threads: int) -> str:
         return f"{workers} workers x {threads} threads"

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from rail.config import ConfigError
+from rail.cores import usable_cores
 
 #: The ``[resources]`` table of an ablation file: what each job's Ray task reserves.
 RESOURCES = {
@@ -189,9 +190,7 @@ class RayBackend:
 
         kw = {"include_dashboard": False, "log_to_driver": False}
         if not self.address:
-            from rail.ablate import _cores
-
-            ray.init(address="local", num_cpus=_cores(), **kw)  # "local": never join a cluster found on this host
+            ray.init(address="local", num_cpus=usable_cores(), **kw)  # "local": never join a cluster found on this host
             return
         host, _, port = self.address.rpartition(":")
         if host and port.isdigit():  # Ray retries an address where nothing listens for minutes: look first

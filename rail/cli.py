@@ -167,8 +167,9 @@ def cmd_ablate(a: argparse.Namespace) -> int:
     if a.backend == "ray":
         workers = a.workers or len(jobs)  # the cluster's resources decide how many run at once
     else:
-        workers = a.workers or max(1, min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                          else (os.cpu_count() or 1)))
+        from rail.cores import usable_cores
+
+        workers = a.workers or max(1, min(len(jobs), usable_cores()))
     if a.dry_run:
         for j in jobs:
             print(f"{classify(j):6s} {j.key:28s} {j.dir}")

@@ -1,7 +1,9 @@
 """One typed config tree: defaults < ``--preset`` < TOML file (``--config``) < flags (``--set key=value``).
 
 Every field is documented once, next to it (``doc=``); ``docs/configuration.md`` is checked against this file
-by a test. Unknown keys are rejected, and values are checked before anything runs, with messages that name
+by a test. A field that a library's settings class also has (``[learner]``: ``policy.settings.LearnerSettings``;
+``[controller]``: ``controller.Settings`` and ``controller.SessionSettings``) has the same name and takes its
+default from there (``F(SETTING, doc)``, rail/settings.py), so every default is written once. Unknown keys are rejected, and values are checked before anything runs, with messages that name
 the field and the fix. This module imports no torch, so ``rail --help`` and config errors are instant.
 """
 
@@ -18,6 +20,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from controller import SessionSettings, Settings
+from controller.core import MODES
+from policy.settings import OLD_LOGPROBS, LearnerSettings
+from rail.settings import SETTING, defaults_from
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the field and what to change."""
@@ -25,7 +32,7 @@ class ConfigError(ValueError):
 
 def F(default: Any, doc: str, allow_inf: bool = False) -> Any:
     """A documented field. Every float must be finite unless ``allow_inf`` (the doc then says what inf means);
-    NaN is never accepted (:func:`validate`)."""
+    NaN is never accepted (:func:`validate`). ``default`` may be :data:`~rail.settings.SETTING`."""
     meta = {"doc": doc, "allow_inf": allow_inf}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: copy.deepcopy(d), metadata=meta)
@@ -98,35 +105,36 @@ class BudgetConfig:
 
 
 @dataclass
+@defaults_from(LearnerSettings)
 class LearnerConfig:
-    lr: float = F(3e-4, "AdamW learning rate.")
-    schedule: str = F("cosine", "Learning-rate schedule after warm-up, over `run.steps`: 'constant', 'linear' or 'cosine' (decays to 0 at the last step).")
-    warmup_steps: int = F(0, "Linear learning-rate warm-up, in training steps (the schedule advances once per step, however many minibatches the filters leave).")
-    weight_decay: float = F(0.0, "AdamW weight decay.")
-    epochs: int = F(1, "Optimisation passes over each step's rollouts (old log-probs are the behaviour's).")
-    minibatch_size: int = F(64, "Trajectories per optimizer step.")
-    eps_low: float = F(0.2, "PPO clip: lower bound 1 - eps_low on the ratio.")
-    eps_high: float = F(0.28, "PPO clip: upper bound 1 + eps_high (clip-higher, DAPO).")
-    clip_ratio_c: float = F(0.0, "Dual clip (Ye et al. 2020): for A < 0 a token's loss is at most c x (-A), however far its ratio went; c > 1 (verl's default is 3). 0: off, plain PPO clipping, as the benchmarks were measured.")
-    loss_agg: str = F("token_mean", "Loss aggregation: 'token_mean' (DAPO), 'seq_mean' (GRPO), 'dr_grpo' (constant).")
-    adv_scale: str = F("std", "Group advantage scaling: 'std' (GRPO) or 'none' (Dr.GRPO).")
-    kl_coef: float = F(0.0, "Coefficient of the k3 KL penalty to the frozen initial policy (0: no reference).")
-    grad_clip: float = F(1.0, "Gradient-norm clip (0: off).")
-    drop_zero_variance: bool = F(True, "Drop groups whose rewards have (near) zero spread (TAO-RL, DAPO).")
-    mask_all_tools_failed: bool = F(True, "Mask trajectories in which every tool call failed (TAO-RL).")
-    entropy_coef: float = F(0.0, "TAO-RL entropy shaping c in A*(1 + c*z) on the turn after a tool result.")
-    shift_threshold: float = F(1.0, "Shift filter: drop an intervened trajectory whose mean log-ratio (guided vs stripped context, policy tokens sampled under guidance) exceeds this (inf: no filter).", allow_inf=True)
-    shaping_gamma: float = F(0.1, "LUFFY policy shaping pi/(pi+gamma) on tokens sampled under guidance (0: off, the clipped ratio).")
-    guided_sft: float = F(1.0, "STaR rationalization: add beta x the NLL, in the context without guidance, of the tokens a rollout that beat its group's baseline sampled under a hint or plan (0: off). Distils what the guidance revealed at full weight.")
-    guided_replay: bool = F(True, "Also train every trained rollout sampled under a hint or plan in the context it was sampled in (guidance kept: on-policy there, the same advantage), beside its stripped copy, so the policy keeps reading guidance while it learns from it.")
-    rehearsal: float = F(1.0, "PPO-ptx-style rehearsal: add lambda x the NLL of fresh guided warm-start demonstrations (warm-start levels; kin's nonce names) to every minibatch, so the policy keeps reading guidance (0: off).")
-    rehearsal_batch: int = F(16, "Demonstrations rehearsed per minibatch when learner.rehearsal > 0.")
-    old_logprobs: str = F("engine", "Old (behaviour) log-probs of the PPO ratio: 'engine' (as the rollout engine recorded them) or 'recompute' (the learner's forward pass over the sampled context before the update, with a truncated importance-sampling correction by the engine's log-probs, TRL's vllm_importance_sampling_correction).")
-    tis_cap: float = F(3.0, "With learner.old_logprobs = 'recompute': the cap C of the truncated importance-sampling weight min(exp(recomputed - engine log-prob), C) on each token's loss (TRL's vllm_importance_sampling_cap, token_truncate).")
-    injected_gamma: float = F(0.0, "Train the reference step a guided_step intervention wrote into a trajectory as an expert token (LUFFY's off-policy shaping pi/(pi+gamma), positive advantages only); 0: context only, never trained.")
+    lr: float = F(SETTING, "AdamW learning rate.")
+    schedule: str = F(SETTING, "Learning-rate schedule after warm-up, over `run.steps`: 'constant', 'linear' or 'cosine' (decays to 0 at the last step).")
+    warmup_steps: int = F(SETTING, "Linear learning-rate warm-up, in training steps (the schedule advances once per step, however many minibatches the filters leave).")
+    weight_decay: float = F(SETTING, "AdamW weight decay.")
+    epochs: int = F(SETTING, "Optimisation passes over each step's rollouts (old log-probs are the behaviour's).")
+    minibatch_size: int = F(SETTING, "Trajectories per optimizer step.")
+    eps_low: float = F(SETTING, "PPO clip: lower bound 1 - eps_low on the ratio.")
+    eps_high: float = F(SETTING, "PPO clip: upper bound 1 + eps_high (clip-higher, DAPO).")
+    clip_ratio_c: float = F(SETTING, "Dual clip (Ye et al. 2020): for A < 0 a token's loss is at most c x (-A), however far its ratio went; c > 1 (verl's default is 3). 0: off, plain PPO clipping, as the benchmarks were measured.")
+    loss_agg: str = F(SETTING, "Loss aggregation: 'token_mean' (DAPO), 'seq_mean' (GRPO), 'dr_grpo' (constant).")
+    adv_scale: str = F(SETTING, "Group advantage scaling: 'std' (GRPO) or 'none' (Dr.GRPO).")
+    kl_coef: float = F(SETTING, "Coefficient of the k3 KL penalty to the frozen initial policy (0: no reference).")
+    grad_clip: float = F(SETTING, "Gradient-norm clip (0: off).")
+    drop_zero_variance: bool = F(SETTING, "Drop groups whose rewards have (near) zero spread (TAO-RL, DAPO).")
+    mask_all_tools_failed: bool = F(SETTING, "Mask trajectories in which every tool call failed (TAO-RL).")
+    entropy_coef: float = F(SETTING, "TAO-RL entropy shaping c in A*(1 + c*z) on the turn after a tool result.")
+    shift_threshold: float = F(SETTING, "Shift filter: drop an intervened trajectory whose mean log-ratio (guided vs stripped context, policy tokens sampled under guidance) exceeds this (inf: no filter).", allow_inf=True)
+    shaping_gamma: float = F(SETTING, "LUFFY policy shaping pi/(pi+gamma) on tokens sampled under guidance (0: off, the clipped ratio).")
+    guided_sft: float = F(SETTING, "STaR rationalization: add beta x the NLL, in the context without guidance, of the tokens a rollout that beat its group's baseline sampled under a hint or plan (0: off). Distils what the guidance revealed at full weight.")
+    guided_replay: bool = F(SETTING, "Also train every trained rollout sampled under a hint or plan in the context it was sampled in (guidance kept: on-policy there, the same advantage), beside its stripped copy, so the policy keeps reading guidance while it learns from it.")
+    rehearsal: float = F(SETTING, "PPO-ptx-style rehearsal: add lambda x the NLL of fresh guided warm-start demonstrations (warm-start levels; kin's nonce names) to every minibatch, so the policy keeps reading guidance (0: off).")
+    rehearsal_batch: int = F(SETTING, "Demonstrations rehearsed per minibatch when learner.rehearsal > 0.")
+    old_logprobs: str = F(SETTING, "Old (behaviour) log-probs of the PPO ratio: 'engine' (as the rollout engine recorded them) or 'recompute' (the learner's forward pass over the sampled context before the update, with a truncated importance-sampling correction by the engine's log-probs, TRL's vllm_importance_sampling_correction).")
+    tis_cap: float = F(SETTING, "With learner.old_logprobs = 'recompute': the cap C of the truncated importance-sampling weight min(exp(recomputed - engine log-prob), C) on each token's loss (TRL's vllm_importance_sampling_cap, token_truncate).")
 
 
 @dataclass
+@defaults_from(Settings, SessionSettings)
 class ControllerConfig:
     name: str = F("rail", "Intervention controller: rail (learned, docs/controller.md), none, dapo, rti, actguide, ladder, random (docs/algorithms.md).")
     base_share: float = F(0.5, "Share of a step's budget intervening controllers spend on base groups first ('none' spends all).")
@@ -137,25 +145,21 @@ class ControllerConfig:
                         "The interventions (how@where) random and learned controllers choose from.")
     how_many: list[int] = F([2, 4], "Intervention rollouts an intervention of the menu may spend.")
     rti_how_many: int = F(4, "rti: hinted rollouts per failed group.")
-    ladder: list[str] = F(["resample@violation", "rubric_hint@violation", "guided_step@violation", "action_guide@start"],
-                          "ladder: the rungs, cheapest first.")
+    ladder: list[str] = F(SETTING, "ladder: the rungs, cheapest first.")
     ladder_how_many: int = F(2, "ladder: rollouts per rung.")
     probe_rollouts: int = F(2, "actguide: rollouts per probe of the plan-length search.")
     max_probes: int = F(5, "actguide: most probes per group.")
     max_rounds: int = F(8, "Most decide -> run rounds per step.")
     shadow: str = F("ladder", "rail: the heuristic it shadows ('ladder': its first legal rung; 'rti': the rubric hint).")
-    start_mode: str = F("shadow", "rail: 'shadow' (the heuristic acts until the bandit is promoted) or 'live'.")
-    epsilon: float = F(0.1, "rail: the bandit's epsilon-greedy exploration when live.")
-    heuristic_epsilon: float = F(0.3, "rail: in shadow, the heuristic's choice is mixed with this much uniform exploration (logged propensities).")
-    bandit_lr: float = F(0.5, "rail: VW learning rate (with --power_t 0: constant).")
-    window: int = F(200, "rail: recent decisions the go-live gate evaluates.")
-    min_events: int = F(60, "rail: decisions before the first gate check.")
-    check_every: int = F(20, "rail: decisions between gate checks.")
-    margin: float = F(0.0, "rail: go live when the lower bound of V(bandit) - V(heuristic) exceeds this (and demote symmetrically).")
-    consecutive: int = F(2, "rail: consecutive passing checks needed to change mode.")
-    escalate: bool = F(True, "rail: after round 0 (every base group), decide again in each later round for the groups its last intervention left without a success, as ladder climbs; the shadowed heuristic is ladder's next untried rung (false: one decision per group and step).")
-    absorption: float = F(0.0, "rail: weight in the bandit's reward of what an intervention's demonstrations revealed (accepted guided rollouts above their group's mean, by their shift measure, per rollout run; docs/controller.md), counted only when learner.guided_sft > 0 (0: the variance gain alone).")
-    headroom: bool = F(True, "rail: weight the bandit's reward, and the opportunity of doing nothing, by the headroom of the group's family/level: 1 - the policy's recent unguided pass rate there (docs/controller.md, \"Reward\").")
+    mode: str = F(SETTING, "rail: the starting mode, 'shadow' (the heuristic acts until the bandit is promoted) or 'live'.")
+    epsilon: float = F(SETTING, "rail: the bandit's epsilon-greedy exploration when live.")
+    heuristic_epsilon: float = F(SETTING, "rail: in shadow, the heuristic's choice is mixed with this much uniform exploration (logged propensities).")
+    lr: float = F(SETTING, "rail: the bandit's VW learning rate (with --power_t 0: constant).")
+    window: int = F(SETTING, "rail: recent decisions the go-live gate evaluates.")
+    min_events: int = F(SETTING, "rail: decisions before the first gate check.")
+    check_every: int = F(SETTING, "rail: decisions between gate checks.")
+    margin: float = F(SETTING, "rail: go live when the lower bound of V(bandit) - V(heuristic) exceeds this (and demote symmetrically).")
+    consecutive: int = F(SETTING, "rail: consecutive passing checks needed to change mode.")
 
 
 @dataclass
@@ -204,10 +208,6 @@ class Config:
 PRESETS: dict[str, dict] = {
     # The CPU demonstration: warm start + GRPO on both families, under 10 minutes on 2 cores.
     "default": {},
-    # The default preset with plain GRPO's treatment of intervened rollouts (the clipped ratio on the stripped
-    # context alone: no rationalization, guided replay, shaping or rehearsal), the learner's defaults before the
-    # rehearsal ablation (docs/benchmarks.md); the benchmarks measured before it reproduce with it.
-    "plain": {"learner": {"guided_sft": 0.0, "guided_replay": False, "shaping_gamma": 0.0, "rehearsal": 0.0}},
     # Under a minute, for tests: a smaller model, fewer tasks, a few steps.
     "smoke": {
         "run": {"name": "smoke", "steps": 3, "checkpoint_every": 2},
@@ -224,14 +224,14 @@ PRESETS: dict[str, dict] = {
 CHOICES = {
     "rollout.engine": ("transformers", "vllm"),
     "rollout.tool_format": ("builtin", "hermes", "json"),
-    "learner.old_logprobs": ("engine", "recompute"),
+    "learner.old_logprobs": OLD_LOGPROBS,
     "budget.unit": ("rollouts", "tokens"),
     "learner.schedule": ("constant", "linear", "cosine"),
     "learner.loss_agg": ("token_mean", "seq_mean", "dr_grpo"),
     "learner.adv_scale": ("std", "none"),
     "controller.compose": ("auto", "mix", "replace"),
     "controller.shadow": ("ladder", "rti"),
-    "controller.start_mode": ("shadow", "live"),
+    "controller.mode": MODES,
 }
 
 
@@ -512,11 +512,9 @@ def validate(cfg: Config) -> None:
         v = getattr(c, key.split(".")[1])
         if not 0.0 < v <= 1.0:
             raise ConfigError(f"{key} = {v}: must be in (0, 1]; without exploration nothing can be learned off-policy")
-    if c.bandit_lr <= 0 or c.window < 2 or c.min_events < 0 or c.check_every < 1 or c.consecutive < 1:
-        raise ConfigError("controller.bandit_lr > 0, controller.window >= 2, controller.min_events >= 0, "
+    if c.lr <= 0 or c.window < 2 or c.min_events < 0 or c.check_every < 1 or c.consecutive < 1:
+        raise ConfigError("controller.lr > 0, controller.window >= 2, controller.min_events >= 0, "
                           "controller.check_every >= 1 and controller.consecutive >= 1 are required")
-    if not (math.isfinite(c.absorption) and c.absorption >= 0):
-        raise ConfigError(f"controller.absorption = {c.absorption}: must be a finite number >= 0 (0: the variance gain alone)")
     if not L.shift_threshold > 0:
         raise ConfigError(f"learner.shift_threshold = {L.shift_threshold}: must be > 0 (inf: no filter)")
     if L.shaping_gamma < 0:
@@ -531,8 +529,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"learner.tis_cap = {L.tis_cap}: must be a finite number >= 1 (TRL's default is 3)")
     if r.vllm_kv_cache_mb < 1:
         raise ConfigError(f"rollout.vllm_kv_cache_mb = {r.vllm_kv_cache_mb}: must be >= 1")
-    if L.injected_gamma < 0:
-        raise ConfigError(f"learner.injected_gamma = {L.injected_gamma}: must be >= 0 (0: injected steps are context only)")
 
 
 def config_markdown() -> str:

@@ -320,21 +320,17 @@ class RailController(_Reserving):
         from pathlib import Path
 
         from controller import Session, SessionSettings, Settings
+        from rail.settings import settings_from
 
         c = config.controller
-        self.settings = Settings(epsilon=c.epsilon, heuristic_epsilon=c.heuristic_epsilon, lr=c.bandit_lr,
-                                 mode=c.start_mode, window=c.window, min_events=c.min_events,
-                                 check_every=c.check_every, margin=c.margin, consecutive=c.consecutive)
+        self.settings = settings_from(Settings, c)  # the bandit and its gate: [controller] fields of the same names
         if c.shadow == "rti":  # RTI: one hint, on a group nothing was tried on
             ladder, size, escalates = [Intervention.parse("rubric_hint@violation", 1).key], c.rti_how_many, False
         else:
             ladder, size, escalates = [Intervention.parse(r, 1).key for r in c.ladder], c.ladder_how_many, True
         session = SessionSettings(
             bandit=self.settings, ladder=tuple(ladder), ladder_size=size, heuristic_escalates=escalates,
-            escalate=c.escalate, group_size=config.budget.group_size, unit=float(min(c.how_many)),
-            budget_unit=config.budget.unit, headroom=c.headroom,
-            # demonstrations count only when the learner distils them (docs/controller.md, "Reward")
-            absorption=c.absorption if config.learner.guided_sft > 0 else 0.0,
+            group_size=config.budget.group_size, unit=float(min(c.how_many)), budget_unit=config.budget.unit,
             compose=compose_of(config))
         trace_dir = None if out is None else Path(out) / "traces"
         self.session = Session(session, seed=config.run.seed, trace_dir=trace_dir)
@@ -402,13 +398,12 @@ class RailController(_Reserving):
 
         t0 = time.perf_counter()
         self._add(groups, None)  # fresh groups bought with what the rounds left: the opportunity, pass rates
-        accepted, shifts = {}, {}
+        accepted = {}
         for o in outcomes:
             eid = self._event.get(id(o.decision))
             if eid is not None:
                 accepted[eid] = [Status(t.status).joined for t in o.trajectories]
-                shifts[eid] = [t.shift if t.context_shifted else None for t in o.trajectories]
-        self.session.end_step(accepted, shifts)
+        self.session.end_step(accepted)
         self._views, self._event = {}, {}
         self.seconds += time.perf_counter() - t0
 

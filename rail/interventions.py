@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from controller import Rollout, branch_source
-from policy.engine import RolloutRequest
-from policy.records import Guidance, Trajectory
+from policy.records import Guidance, RolloutRequest, Trajectory
 
 HOWS = ("resample", "rubric_hint", "action_guide", "guided_step")
 WHERES = ("start", "violation", "before")

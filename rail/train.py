@@ -16,7 +16,6 @@ what the uninterrupted one would have.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -47,27 +46,17 @@ from rail.policy_setup import RehearsalSource, make_policy
 from rail.rounds import (Generation, Rounds, derive_seed, drive, intervention_metrics, intervention_summary,
                          make_group, make_menu, score)
 from rail.rundir import PARTIAL, RunError, RunLock, clear_partial, has_checkpoint, is_run_config, make_out
+from rail.settings import settings_from
 from rail.tracking import JsonlTracker, MlflowTracker, MultiTracker, NullTracker
 
 log = logging.getLogger("rail")
 
 
 def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
-    """The GRPO learner's settings from ``[learner]`` and the rollout temperature and length (``overrides``
-    replace fields, e.g. ``schedule='constant'`` for a loop without a fixed number of steps)."""
-    L = cfg.learner
-    s = LearnerSettings(lr=L.lr, schedule=L.schedule, warmup_steps=L.warmup_steps, weight_decay=L.weight_decay,
-                        epochs=L.epochs, minibatch_size=L.minibatch_size, eps_low=L.eps_low, eps_high=L.eps_high,
-                        clip_ratio_c=L.clip_ratio_c,
-                        loss_agg=L.loss_agg, adv_scale=L.adv_scale, kl_coef=L.kl_coef, grad_clip=L.grad_clip,
-                        drop_zero_variance=L.drop_zero_variance, mask_all_tools_failed=L.mask_all_tools_failed,
-                        entropy_coef=L.entropy_coef, shift_threshold=L.shift_threshold,
-                        shaping_gamma=L.shaping_gamma, injected_gamma=L.injected_gamma,
-                        guided_sft=L.guided_sft,
-                        guided_replay=L.guided_replay, rehearsal=L.rehearsal, rehearsal_batch=L.rehearsal_batch,
-                        old_logprobs=L.old_logprobs, tis_cap=L.tis_cap,
-                        temperature=cfg.rollout.temperature, max_tokens=cfg.max_rollout_tokens)
-    return dataclasses.replace(s, **overrides)
+    """The GRPO learner's settings: every ``[learner]`` field by name, and the rollout temperature and length
+    (``overrides`` replace fields, e.g. ``schedule='constant'`` for a loop without a fixed number of steps)."""
+    return settings_from(LearnerSettings, cfg.learner, **{"temperature": cfg.rollout.temperature,
+                                                          "max_tokens": cfg.max_rollout_tokens, **overrides})
 
 
 def _malformed(step) -> bool:

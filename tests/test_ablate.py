@@ -123,11 +123,11 @@ def test_arms_may_set_the_learner_and_share_everything_else(tmp_path):
     f = tmp_path / "learners.toml"
     f.write_text('[ablation]\nname = "learners"\nseeds = 2\n'
                  '[arms.plain]\ncontroller.name = "ladder"\n'
-                 '[arms.shaped]\ncontroller.name = "ladder"\nlearner.shaping_gamma = 0.3\nlearner.injected_gamma = 0.1\n')
+                 '[arms.shaped]\ncontroller.name = "ladder"\nlearner.shaping_gamma = 0.3\nlearner.rehearsal = 0.5\n')
     jobs = plan_jobs(load_ablation(f), "smoke", tmp_path / "out")
     by_arm = {(j.arm, j.seed): j.cfg for j in jobs}
     assert by_arm["plain", 0].learner.shaping_gamma == 0.1 and by_arm["shaped", 1].learner.shaping_gamma == 0.3
-    assert by_arm["shaped", 0].learner.injected_gamma == 0.1
+    assert by_arm["shaped", 0].learner.rehearsal == 0.5 and by_arm["plain", 0].learner.rehearsal == 1.0
     assert shared_view(by_arm["plain", 0]) == shared_view(by_arm["shaped", 1])  # budget, env, eval: the same
     assert by_arm["plain", 0].budget == by_arm["shaped", 0].budget
 

@@ -121,36 +121,6 @@ def test_reward_edge_cases():
         R.reward(before, [1.0], cost=0, unit=2)
 
 
-def test_absorption_counts_what_distilled_demonstrations_revealed():
-    before = [0.0] * 8
-    # a hinted rescue: the success (shift 0.4) is a demonstration, the failure is not; mean over the 2 run
-    assert R.absorbed(before, [1.0, 0.0], [0.4, 0.3], ran=2) == pytest.approx(0.2)
-    assert R.reward(before, [1.0, 0.0], cost=2, unit=2, shifts=[0.4, 0.3], ran=2, weight=1.0) == \
-        pytest.approx(4 * 0.1 * 0.9 + 0.2)
-    # weight 0 (a learner that does not distil): the variance gain alone
-    assert R.reward(before, [1.0, 0.0], cost=2, unit=2, shifts=[0.4, 0.3], ran=2, weight=0.0) == \
-        pytest.approx(4 * 0.1 * 0.9)
-    # a group that already had signal: no variance gain, but the hinted successes still teach what was revealed
-    assert R.reward([1, 0, 1, 0], [1.0, 1.0], cost=2, unit=2) == 0.0
-    assert R.reward([1, 0, 1, 0], [1.0, 1.0], cost=2, unit=2, shifts=[0.5, 0.1], ran=2, weight=1.0) == \
-        pytest.approx(0.3)
-    # the shift filter rejected one of two: it is not accepted, but it was run (spent)
-    assert R.absorbed(before, [1.0], [0.6], ran=2) == pytest.approx(0.3)
-    # unguided rollouts (no shift measure) and what the policy would sample anyway (shift <= 0) reveal nothing
-    assert R.absorbed(before, [1.0, 1.0], [None, -0.2], ran=2) == 0.0
-    # capped at 1 nat per token; a group where every rollout succeeds has no demonstration (zero variance)
-    assert R.absorbed(before, [1.0], [3.0], ran=1) == 1.0
-    assert R.absorbed([1.0, 1.0], [1.0, 1.0], [0.5, 0.5], ran=2) == 0.0
-    assert R.absorbed(before, [1.0], [float("nan")], ran=1) == 0.0
-    # replace: the baseline is the intervened rollouts' own mean
-    assert R.absorbed(before, [1.0, 0.0], [0.4, 0.4], ran=2, compose="replace") == pytest.approx(0.2)
-    assert R.reward(before, [1.0] * 4, cost=1, unit=2, shifts=[1.0] * 4, ran=4, weight=5.0) == 1.0  # bounded
-    with pytest.raises(ValueError, match="shift"):
-        R.absorbed(before, [1.0, 0.0], [0.4], ran=2)
-    with pytest.raises(ValueError, match="weight"):
-        R.reward(before, [1.0], cost=2, unit=2, shifts=[0.1], weight=-1.0)
-
-
 def test_headroom_weights_signal_by_what_is_left_to_learn():
     before = [0.0] * 8
     rescue = 4 * 0.1 * 0.9  # one accepted success of two on a dead group, at the cheapest price
@@ -160,10 +130,8 @@ def test_headroom_weights_signal_by_what_is_left_to_learn():
     # a solved cell teaches nothing however much signal the rescue made; the cap applies after the weight
     assert R.reward(before, [1.0, 0.0], cost=2, unit=2, compose="replace", headroom=0.0) == 0.0
     assert R.reward(before, [1.0, 0.0], cost=1, unit=4, compose="replace", headroom=0.5) == 1.0
-    # a rescue the shift filter rejected is still worth nothing, and the absorption term is weighted too
+    # a rescue the shift filter rejected is still worth nothing
     assert R.reward(before, [], cost=2, unit=2, headroom=1.0) == 0.0
-    assert R.reward(before, [1.0, 0.0], cost=2, unit=2, shifts=[0.4, 0.3], ran=2, weight=1.0, headroom=0.5) == \
-        pytest.approx((rescue + 0.2) / 2)
     # doing nothing: each fresh group's signal counts at its own cell's headroom
     groups = [[0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 0, 0]]
     assert R.opportunity(groups, group_cost=4, unit=2, headrooms=[0.2, 1.0, 1.0]) == \

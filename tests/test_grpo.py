@@ -503,8 +503,8 @@ def test_learning_rate_schedule_runs_on_training_steps():
     from policy.learner import GRPOLearner, LearnerSettings, PreparedBatch
 
     model = torch.nn.Linear(2, 2)
-    learner = GRPOLearner(model, LearnerSettings(lr=1e-3, schedule="cosine", warmup_steps=2), total_steps=6,
-                          pad_id=0)
+    learner = GRPOLearner(model, LearnerSettings(lr=1e-3, schedule="cosine", warmup_steps=2, rehearsal=0.0),
+                          total_steps=6, pad_id=0)
     rates = [learner.update(PreparedBatch([], [], {}), torch.Generator())["lr"] for _ in range(6)]
     assert rates[:2] == pytest.approx([0.5e-3, 1e-3])  # warm-up, in training steps
     expected = [1e-3 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]

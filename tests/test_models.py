@@ -228,7 +228,8 @@ def test_recompute_replaces_engine_logprobs_and_truncates_the_ratio(tiny_dir):
         pol = [k for k, o in enumerate(t.origin) if o == Origin.POLICY]
         for j, k in enumerate(pol):
             t.logprobs[k] -= shifts[j % 3]
-    learner = GRPOLearner(model, LearnerSettings(old_logprobs="recompute", tis_cap=3.0), total_steps=1, pad_id=r.pad)
+    learner = GRPOLearner(model, LearnerSettings(old_logprobs="recompute", tis_cap=3.0, rehearsal=0.0), total_steps=1,
+                          pad_id=r.pad)
     stats = learner.recompute_logprobs(trajs)
     for t, ex in zip(trajs, exact):
         pol = [k for k, o in enumerate(t.origin) if o == Origin.POLICY]

@@ -60,7 +60,6 @@ def test_bad_group_size_is_rejected_before_anything_runs(tmp_path):
     (["learner.guided_sft=-1"], "learner.guided_sft"),
     (["learner.rehearsal=-0.5"], "learner.rehearsal"),
     (["learner.rehearsal_batch=0"], "learner.rehearsal_batch"),
-    (["controller.absorption=-1"], "controller.absorption"),
     (["controller.menu=['resample@start', 'rubric_hint@violation']"], "controller.ladder"),
 ])
 def test_config_errors_name_the_field(sets, needle):

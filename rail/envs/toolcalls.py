@@ -6,7 +6,7 @@ Environments describe their tools as JSON schemas in the OpenAI function format 
 template lists them (``apply_chat_template(..., tools=...)``), and the formats below check calls against them.
 ``rollout.tool_format`` picks the format (an explicit name -> implementation dict, :data:`FORMATS`):
 
-- ``builtin`` -- ``name(arg, ...)``, the built-in model's grammar (:func:`rail.envs.base.parse_action`);
+- ``builtin`` -- ``name(arg, ...)``, the built-in model's grammar (:func:`rail.envs.actions.parse_action`);
 - ``hermes`` -- ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the Qwen2.5 / Qwen3 / Hermes format;
 - ``json`` -- the whole turn is one bare JSON object ``{"name": ..., "arguments": {...}}``.
 
@@ -28,7 +28,7 @@ import math
 import re
 from typing import Any, Protocol, Sequence
 
-from rail.envs.base import Action, parse_action
+from rail.envs.actions import Action, parse_action
 
 #: JSON-schema types an argument may declare, and the Python values a parsed call may carry for each.
 _TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
