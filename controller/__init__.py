@@ -4,11 +4,11 @@ A trainer speaks to it through one :class:`Session` per run (``controller.sessio
 legal, priced options in; choices (group, option, propensity, event id) out; the chosen interventions' rollouts
 in; the reward, learning, traces, shadow-to-live and state handled inside::
 
-    from controller import Option, Rollout, ScoredGroup, Session, SessionSettings
+    from controller import Group, Option, Rollout, Session, SessionSettings
     s = Session(SessionSettings(), seed=0, trace_dir="runs/x/traces")
     s.begin_step(step=0, total_steps=100, step_budget=64)
-    s.add([ScoredGroup("p0", "calc", 3, [Rollout(0.0, False), Rollout(0.0, False)],
-                       [Option("hint x2", "rubric_hint@violation", 2, cost=2)])])
+    s.add([Group("p0", "calc", 3, [Rollout(0.0, False), Rollout(0.0, False)],
+                 [Option("hint x2", "rubric_hint@violation", 2, cost=2)])])
     for c in s.decide(budget=16):
         if c.intervenes:
             s.ran(c.id, [Rollout(1.0, True), Rollout(0.0, False)], cost=2)
@@ -19,8 +19,8 @@ the reward is ``controller.reward``, traces ``controller.traces``. It imports no
 ``policy`` and no torch.
 """
 
-from controller.core import NONE, Action, Decision, Group, LearnedController, Settings
-from controller.session import Choice, Option, Rollout, ScoredGroup, Session, SessionSettings, branch_source
+from controller.core import NONE, Arm, Draw, LearnedController, Query, Settings
+from controller.session import Choice, Group, Option, Rollout, Session, SessionSettings, branch_source
 
-__all__ = ["NONE", "Action", "Choice", "Decision", "Group", "LearnedController", "Option", "Rollout", "ScoredGroup",
-           "Session", "SessionSettings", "Settings", "branch_source"]
+__all__ = ["NONE", "Arm", "Choice", "Draw", "Group", "LearnedController", "Option", "Query", "Rollout", "Session",
+           "SessionSettings", "Settings", "branch_source"]

@@ -51,8 +51,9 @@ def write_atomic(path: Path, data: str | bytes) -> None:
 
 
 @dataclass
-class Action:
-    """A candidate intervention: a unique ``name`` within its group, features for the bandit, its cost."""
+class Arm:
+    """One of the bandit's arms: a candidate intervention with a unique ``name`` within its query, features for the
+    bandit, and its cost."""
 
     name: str
     features: dict
@@ -60,21 +61,23 @@ class Action:
 
 
 @dataclass
-class Group:
-    """One decision request. ``heuristic`` is the name of the action the shadowed heuristic would take
-    (None: no intervention)."""
+class Query:
+    """One decision request, for one group: its context and arms. ``heuristic`` is the name of the arm the shadowed
+    heuristic would take (None: no intervention)."""
 
     id: str
     context: dict
-    actions: list[Action]
+    actions: list[Arm]
     heuristic: str | None = None
 
 
 @dataclass
-class Decision:
+class Draw:
+    """The bandit's decision for one query: the arm drawn from the logged PMF, with its propensity."""
+
     id: str  # event id, used to report the outcome
     group: str
-    action: Action  # Action(NONE, ..., 0) for no intervention
+    action: Arm  # Arm(NONE, ..., 0) for no intervention
     index: int  # position in the decision's action list (0 = none)
     propensity: float  # probability with which it was chosen
     mode: str
@@ -189,7 +192,7 @@ class LearnedController:
         return self._trace_path
 
     # ------------------------------------------------------------------ decide
-    def decide(self, groups: Sequence[Group], budget: float, tag: str = "") -> list[Decision]:
+    def decide(self, groups: Sequence[Query], budget: float, tag: str = "") -> list[Draw]:
         """One decision per group (in the order of ``groups``), spending at most ``budget`` in total.
 
         Groups are served in order of their best predicted reward (ties: by id); each chooses among the
@@ -198,7 +201,7 @@ class LearnedController:
         """
         prepared = []
         for pos, g in enumerate(groups):
-            acts = [Action(NONE, {"none": 1.0}, 0.0), *g.actions]
+            acts = [Arm(NONE, {"none": 1.0}, 0.0), *g.actions]
             names = [a.name for a in acts]
             if len(set(names)) != len(names):
                 raise ValueError(f"group {g.id}: action names must be unique, got {names}")
@@ -235,10 +238,10 @@ class LearnedController:
             self.decided += 1
             left -= fit[i].cost
             self._pending[eid] = (ctx, ex, names, fit, i, logging, pi, h, q, self.mode)
-            out[pos] = Decision(eid, g.id, fit[i], i, logging[i], self.mode)
+            out[pos] = Draw(eid, g.id, fit[i], i, logging[i], self.mode)
         return out
 
-    def _action_texts(self, names: list[str], costs: list[float], acts: list[Action]) -> list[str]:
+    def _action_texts(self, names: list[str], costs: list[float], acts: list[Arm]) -> list[str]:
         """Each action's ``a`` namespace as compact JSON (``none`` first). Menus repeat across groups and steps,
         so the texts of a menu (its action names) are kept and reused while every cost and feature is the same,
         in the same order (``-0.0`` matches ``0.0`` there: VW reads the same feature from either text, and the

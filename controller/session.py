@@ -5,7 +5,7 @@ home-grown loop) drives one :class:`Session` with plain records; nothing here kn
 torch. One step::
 
     s.begin_step(step, total_steps, step_budget)
-    s.add([ScoredGroup(...), ...])           # the step's scored base groups, each with its legal, priced options
+    s.add([Group(...), ...])           # the step's scored base groups, each with its legal, priced options
     while True:                              # rounds
         choices = s.decide(budget_left)      # a Choice for every group asked this round
         if not any(c.intervenes for c in choices):
@@ -50,7 +50,7 @@ from typing import Any, Mapping, Sequence
 
 from controller import reward as R
 from controller.heuristic import asked as _asked, next_rung
-from controller.core import NONE, Action, Group, LearnedController, Settings, write_atomic
+from controller.core import NONE, Arm, Query, LearnedController, Settings, write_atomic
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Option:
 
 
 @dataclass
-class ScoredGroup:
+class Group:
     """One task's group of base rollouts, scored, with its legal options."""
 
     id: str  # unique within the step; part of every event id
@@ -148,12 +148,12 @@ def branch_source(rollouts: Sequence[Rollout]) -> int | None:
     return max(failed, key=lambda i: (rollouts[i].progress or 0.0, rollouts[i].violated_turn or 0, -i))
 
 
-class _Group:
+class _GroupState:
     """A group's bookkeeping within a step."""
 
     __slots__ = ("rec", "cell", "n_success", "tried", "ran", "static")
 
-    def __init__(self, rec: ScoredGroup):
+    def __init__(self, rec: Group):
         self.rec = rec
         self.cell = f"{rec.family}/{rec.level}"
         self.n_success = sum(1 for r in rec.rollouts if r.success)  # base and every intervention that ran
@@ -179,8 +179,8 @@ class Session:
         self.seconds = 0.0  # time spent in the session's own methods
         self.step, self.total_steps, self.step_budget = 0, 1, 1.0
         self.round = 0
-        self._groups: dict[str, _Group] = {}
-        self._made: list[tuple[str, _Group, Option | None, list[str]]] = []  # (event, group, option, ran before it)
+        self._groups: dict[str, _GroupState] = {}
+        self._made: list[tuple[str, _GroupState, Option | None, list[str]]] = []  # (event, group, option, ran before it)
         self._by_id: dict[str, tuple] = {}
         self._outcomes: dict[str, tuple[list[Rollout], float]] = {}
 
@@ -194,7 +194,7 @@ class Session:
         self.round = 0
         self._groups, self._outcomes = {}, {}
 
-    def add(self, groups: Sequence[ScoredGroup]) -> None:
+    def add(self, groups: Sequence[Group]) -> None:
         """The step's scored base groups. Groups added after round 0 are not decided for, but count in the
         opportunity of doing nothing and in the pass rates (fresh groups bought with the budget left)."""
         for g in groups:
@@ -203,7 +203,7 @@ class Session:
             names = [o.name for o in g.options]
             if len(set(names)) != len(names) or NONE in names:
                 raise ValueError(f"group {g.id}: option names must be unique and not {NONE!r}, got {names}")
-            self._groups[g.id] = _Group(g)
+            self._groups[g.id] = _GroupState(g)
 
     def decide(self, budget: float) -> list[Choice]:
         """This round's choices, spending at most ``budget`` in total: one per group asked (round 0: every group
@@ -218,10 +218,10 @@ class Session:
             if not rec.rollouts or not _asked(r, gs.tried, gs.n_success > 0):
                 continue
             opts = self._affordable(gs)
-            acts = [Action(o.name, {**o.features, "cost_share": o.cost / self.step_budget}, float(o.cost))
+            acts = [Arm(o.name, {**o.features, "cost_share": o.cost / self.step_budget}, float(o.cost))
                     for o in opts]
             h = self._heuristic(gs, opts)
-            requests.append(Group(rec.id, self._context(gs, budget, r), acts, heuristic=h))
+            requests.append(Query(rec.id, self._context(gs, budget, r), acts, heuristic=h))
             asked.append((gs, {o.name: o for o in opts}))
         made = self.ctl.decide(requests, budget, tag=f"s{self.step}-")
         out = []
@@ -301,23 +301,23 @@ class Session:
         self.seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ what a group looks like
-    def _affordable(self, gs: _Group) -> list[Option]:
+    def _affordable(self, gs: _GroupState) -> list[Option]:
         cap = gs.rec.capacity
         if cap is None:
             return list(gs.rec.options)
         left = cap - sum(self._outcomes[e][1] for e in gs.ran)
         return [o for o in gs.rec.options if o.cost <= left + 1e-9]
 
-    def _recent_pass(self, gs: _Group) -> float:
+    def _recent_pass(self, gs: _GroupState) -> float:
         """The recent unguided pass rate of the group's family/level (before this step's update); a family/level
         seen for the first time uses the group's own base rollouts."""
         return self.pass_rate.get(gs.cell, gs.base_pass)
 
-    def _headroom(self, gs: _Group) -> float:
+    def _headroom(self, gs: _GroupState) -> float:
         """1 - the recent pass rate its context saw."""
         return min(1.0, max(0.0, 1.0 - self._recent_pass(gs)))
 
-    def _heuristic(self, gs: _Group, options: Sequence[Option]) -> str | None:
+    def _heuristic(self, gs: _GroupState, options: Sequence[Option]) -> str | None:
         """The shadowed heuristic's option among ``options`` (the group's affordable ones): the rung rule of
         :mod:`controller.heuristic` over the ladder, at the ladder's size; None for nothing."""
         sized = {o.key: o.name for o in options if o.size == self.s.ladder_size}
@@ -325,16 +325,16 @@ class Session:
         return None if key is None else sized[key]
 
     @staticmethod
-    def _by_name(gs: _Group, name: str | None) -> Option | None:
+    def _by_name(gs: _GroupState, name: str | None) -> Option | None:
         return None if name is None else next(o for o in gs.rec.options if o.name == name)
 
-    def _context(self, gs: _Group, budget: float, rnd: int) -> dict:
+    def _context(self, gs: _GroupState, budget: float, rnd: int) -> dict:
         if gs.static is None:
             gs.static = self._static_context(gs)
         return {**gs.static, "budget_left": budget / self.step_budget, "round": float(rnd),
                 "tried": float(len(gs.tried)), "last_tried": gs.tried[-1] if gs.tried else "none"}
 
-    def _static_context(self, gs: _Group) -> dict:
+    def _static_context(self, gs: _GroupState) -> dict:
         """The part of a group's context that holds for the whole step."""
         rec = gs.rec
         base = rec.rollouts

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from controller import (Action, Group, LearnedController, Option, Rollout, ScoredGroup, Session, SessionSettings,
+from controller import (Arm, Query, LearnedController, Option, Rollout, Group, Session, SessionSettings,
                         Settings)
 
 HOWS = ("resample", "rubric_hint", "action_guide", "guided_step")
 WHERES = ("start", "violation", "before")
 
 
-def synthetic_group(rng: np.random.Generator, i: int) -> tuple[Group, dict[str, float]]:
+def synthetic_group(rng: np.random.Generator, i: int) -> tuple[Query, dict[str, float]]:
     """A group request with the trainer's context keys and a menu of 9 operators x 2 sizes, plus a hidden
     reward per action that depends on the context (so the bandit has something to learn)."""
     level = int(rng.integers(1, 5))
@@ -41,10 +41,10 @@ def synthetic_group(rng: np.random.Generator, i: int) -> tuple[Group, dict[str, 
         for where in WHERES[: 2 if how != "guided_step" else 1]:
             for k in (2, 4):
                 name = f"{how}@{where}x{k}"
-                acts.append(Action(name, {f"how={how}": 1.0, f"where={where}": 1.0, "how_many": float(k),
+                acts.append(Arm(name, {f"how={how}": 1.0, f"where={where}": 1.0, "how_many": float(k),
                                           "cost_share": k / 128}, float(k)))
                 truth[name] = (0.6 if (how == "guided_step") == (level >= 3) else 0.2) / (k / 2)
-    return Group(f"g{i}", ctx, acts, heuristic=acts[0].name), truth
+    return Query(f"g{i}", ctx, acts, heuristic=acts[0].name), truth
 
 
 def decision_latency(events: int, seed: int) -> dict:
@@ -87,7 +87,7 @@ def session_latency(events: int, seed: int) -> dict:
         options = [Option(a.name, a.name.split("x")[0], int(a.cost), a.cost, a.features) for a in g.actions]
         t = time.perf_counter()
         s.begin_step(i, events, 128)
-        s.add([ScoredGroup("g", g.context["family"], level, rollouts, options)])
+        s.add([Group("g", g.context["family"], level, rollouts, options)])
         (c,) = s.decide(64)
         if c.intervenes:
             ok = rng.random(c.option.size) < truth.get(c.option.name, 0.3)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 import controller.reward as R
-from controller import Option, Rollout, ScoredGroup, Session, SessionSettings, Settings
+from controller import Option, Rollout, Group, Session, SessionSettings, Settings
 
 LEVELS = (1, 2, 3, 4)
 # what each intervention multiplies the policy's chance of success by, per level (hidden from the controller)
@@ -40,11 +40,11 @@ def scored(rewards: list[float]) -> list[Rollout]:
     return [Rollout(r, r >= 1.0) for r in rewards]
 
 
-def group(i: int, level: int, rewards: list[float]) -> ScoredGroup:
+def group(i: int, level: int, rewards: list[float]) -> Group:
     """A scored group and the interventions this trainer can run on it, priced in rollouts."""
     options = [Option(f"{how}x{k}", f"{how}@start", k, cost=k, features={f"how={how}": 1.0, "how_many": float(k)})
                for how in HELP for k in (2, 4)]
-    return ScoredGroup(f"g{i}", "toy", level, scored(rewards), options)
+    return Group(f"g{i}", "toy", level, scored(rewards), options)
 
 
 def main() -> None:

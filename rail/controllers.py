@@ -346,7 +346,7 @@ class RailController(_Reserving):
 
     def _add(self, groups: Sequence[Group], menu: Menu | None) -> None:
         """Groups the session has not seen, as scored records with their legal, priced options."""
-        from controller import Option, ScoredGroup
+        import controller as seam
 
         new = []
         for g in groups:
@@ -358,8 +358,8 @@ class RailController(_Reserving):
             if menu is not None and g.n_base:
                 for iv in menu.legal(g):
                     c = menu.cost(g, iv)
-                    options.append(Option(iv.name, iv.key, iv.how_many, c, iv.features(), ref=iv))
-            new.append(ScoredGroup(gid, g.family, g.task.level, [_record(t, menu is not None) for t in g.base],
+                    options.append(seam.Option(iv.name, iv.key, iv.how_many, c, iv.features(), ref=iv))
+            new.append(seam.Group(gid, g.family, g.task.level, [_record(t, menu is not None) for t in g.base],
                                    options, capacity=g.capacity))
         self.session.add(new)
 

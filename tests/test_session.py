@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from controller import Option, Rollout, ScoredGroup, Session, SessionSettings, Settings, branch_source
+from controller import Option, Rollout, Group, Session, SessionSettings, Settings, branch_source
 from controller import reward as R
 from controller import traces as T
 
@@ -55,7 +55,7 @@ def test_a_group_becomes_a_context_and_bandit_actions(tmp_path):
     s.begin_step(5, 20, 64)
     base = [fail(0.25, item=1, turn=1), fail(0.75, item=2, turn=3, lps=(-1.0,)), win()]
     assert branch_source(base) == 1  # the failed rollout with the most progress
-    s.add([ScoredGroup("g0", "calc", 3, base, options())])
+    s.add([Group("g0", "calc", 3, base, options())])
     (c,) = s.decide(32)
     ran = [Rollout(1.0, True), Rollout(0.0, False)]
     if c.intervenes:
@@ -85,7 +85,7 @@ def test_a_group_becomes_a_context_and_bandit_actions(tmp_path):
 def test_decide_and_feedback_reward_the_signal_added_per_unit_of_cost(tmp_path):
     s = session(tmp_path)  # every cell is new and all-failed: headroom 1
     s.begin_step(0, 10, 64)
-    s.add([ScoredGroup(f"g{i}", "lookup", 4, [fail()] * 4, options()) for i in range(6)])
+    s.add([Group(f"g{i}", "lookup", 4, [fail()] * 4, options()) for i in range(6)])
     choices = s.decide(64)
     assert [c.group for c in choices] == [f"g{i}" for i in range(6)]
     assert sum(c.option.cost for c in choices if c.intervenes) <= 64
@@ -113,9 +113,9 @@ def test_escalation_asks_again_for_groups_an_intervention_left_without_success(t
     # live with a bandit that always explores uniformly would be random; shadow with a pure heuristic climbs
     s = session(tmp_path, bandit=Settings(heuristic_epsilon=1e-9))
     s.begin_step(0, 10, 100)
-    s.add([ScoredGroup("stuck", "kin", 3, [fail()] * 4, options()),
-           ScoredGroup("rescued", "kin", 3, [fail()] * 4, options()),
-           ScoredGroup("solved", "kin", 1, [win(), fail()], options())])
+    s.add([Group("stuck", "kin", 3, [fail()] * 4, options()),
+           Group("rescued", "kin", 3, [fail()] * 4, options()),
+           Group("solved", "kin", 1, [win(), fail()], options())])
     climbed = {"stuck": [], "rescued": []}
     for rnd in range(5):
         choices = s.decide(100)
@@ -156,7 +156,7 @@ def test_an_rti_heuristic_hints_once(tmp_path):
     rti = Session(SessionSettings(ladder=("rubric_hint@violation",), ladder_size=4, heuristic_escalates=False,
                                   bandit=Settings(heuristic_epsilon=1e-9)), seed=0)
     rti.begin_step(0, 10, 100)
-    rti.add([ScoredGroup("g", "kin", 3, [fail()] * 4, options())])
+    rti.add([Group("g", "kin", 3, [fail()] * 4, options())])
     (c,) = rti.decide(100)
     assert c.option.name == "rubric_hint@violationx4"
     rti.ran(c.id, [Rollout(0.0, False)] * 4, 4)
@@ -168,7 +168,7 @@ def test_an_rti_heuristic_hints_once(tmp_path):
 def test_capacity_caps_a_group_and_the_budget_caps_the_step(tmp_path):
     s = session(tmp_path, bandit=Settings(heuristic_epsilon=1e-9))  # the ladder acts, nearly deterministically
     s.begin_step(0, 10, 100)
-    s.add([ScoredGroup("g", "calc", 3, [fail()] * 4, options(), capacity=5.0)])  # TRL: 5 free slots
+    s.add([Group("g", "calc", 3, [fail()] * 4, options(), capacity=5.0)])  # TRL: 5 free slots
     seen = []
     for _ in range(4):
         (c,) = s.decide(100)
@@ -180,7 +180,7 @@ def test_capacity_caps_a_group_and_the_budget_caps_the_step(tmp_path):
     assert seen == [2.0, 2.0]  # a third rung would overflow the group's slots: only "none" was left
     assert events(tmp_path)[-1]["_actions"] == ["none"]
     s.begin_step(1, 10, 100)
-    s.add([ScoredGroup(f"g{i}", "calc", 3, [fail()] * 4, options()) for i in range(10)])
+    s.add([Group(f"g{i}", "calc", 3, [fail()] * 4, options()) for i in range(10)])
     assert [c.option.cost for c in s.decide(7) if c.intervenes] == [2.0, 2.0, 2.0]
     s.end_step()
 
@@ -188,12 +188,12 @@ def test_capacity_caps_a_group_and_the_budget_caps_the_step(tmp_path):
 def test_filters_and_headroom_shape_the_reward(tmp_path):
     s = session(tmp_path, bandit=Settings(heuristic_epsilon=1e-9))
     s.begin_step(0, 10, 100)
-    s.add([ScoredGroup("warm", "calc", 2, [fail(), fail(), fail(), win()])])
+    s.add([Group("warm", "calc", 2, [fail(), fail(), fail(), win()])])
     s.decide(100)
     s.end_step()
     assert s.pass_rate == {"calc/2": 0.25}
     s.begin_step(1, 10, 100)
-    s.add([ScoredGroup(g, "calc", 2, [fail()] * 4, [o for o in options() if o.size == 2]) for g in "ab"])
+    s.add([Group(g, "calc", 2, [fail()] * 4, [o for o in options() if o.size == 2]) for g in "ab"])
     choices = s.decide(100)
     assert all(c.intervenes for c in choices)
     for c in choices:
@@ -214,11 +214,11 @@ def test_filters_and_headroom_shape_the_reward(tmp_path):
 def test_misuse_gets_clear_errors():
     s = session()
     s.begin_step(0, 10, 100)
-    s.add([ScoredGroup("g", "calc", 1, [fail()] * 2, options())])
+    s.add([Group("g", "calc", 1, [fail()] * 2, options())])
     with pytest.raises(ValueError, match="already added"):
-        s.add([ScoredGroup("g", "calc", 1, [fail()] * 2)])
+        s.add([Group("g", "calc", 1, [fail()] * 2)])
     with pytest.raises(ValueError, match="unique"):
-        s.add([ScoredGroup("h", "calc", 1, [fail()], options() + options()[:1])])
+        s.add([Group("h", "calc", 1, [fail()], options() + options()[:1])])
     (c,) = s.decide(100)
     with pytest.raises(KeyError):
         s.ran("nope", [], 1)
@@ -248,7 +248,7 @@ def drive(s: Session, steps: range, seed: int = 0) -> None:
             level = rng.randint(1, 4)
             base = [win() if rng.random() < 0.5 / level else fail(rng.random(), rng.randint(0, 3), rng.randint(0, 3))
                     for _ in range(4)]
-            groups.append(ScoredGroup(f"g{i}", ["calc", "kin"][i % 2], level, base, options()))
+            groups.append(Group(f"g{i}", ["calc", "kin"][i % 2], level, base, options()))
         s.add(groups)
         for _ in range(4):
             choices = s.decide(64)
