@@ -1,8 +1,11 @@
 # Rollout throughput of the rollout engines on the same model and requests: the transformers engine against the
 # model's raw batched decode rate on the same shapes (the ceiling for that engine) and, with --engine vllm, the vLLM
-# engine beside it; then packed against padded training passes on warm-start batches, and a training step's time
-# split into generate / score / controller / update (built-in model only).
+# engine beside it; then packed against padded training passes on warm-start batches, a training step's time
+# split into generate / score / controller / update, and step_rollouts_over_one_batch: the wall time of all of a
+# step's rollouts (base, rounds, fill) over that of the same number of fresh rollouts in one batch.
 # Run: .venv/bin/python experiments/bench_rollout.py [--batch 64 128 256] [--steps 5] [--repeats 5]
+#      .venv/bin/python experiments/bench_rollout.py --only-step --steps 10 [--step-engine vllm] \
+#          [--model runs/x/checkpoints/step_000100/model --tool-format builtin]  (a step's rollouts, one model)
 #      .venv/bin/python experiments/bench_rollout.py --skip-train --threads 1 --clock cpu --repeats 5  (shared machine)
 #      .venv/bin/python experiments/bench_rollout.py --engine transformers vllm --batch 64 128 --skip-train
 #      .venv/bin/python experiments/make_tiny_model.py /tmp/qwen75m --hidden 768 --layers 12 --heads 12 \
@@ -112,6 +115,10 @@ def main() -> None:
     ap.add_argument("--max-turns", type=int, default=0, help="rollout.max_turns (0: the config's)")
     ap.add_argument("--steps", type=int, default=5, help="training steps for the time split")
     ap.add_argument("--skip-train", action="store_true", help="only the rollout engines")
+    ap.add_argument("--only-step", action="store_true",
+                    help="only the training steps: their time split and step_rollouts_over_one_batch")
+    ap.add_argument("--step-engine", default="transformers", choices=["transformers", "vllm"],
+                    help="rollout.engine of the training steps")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1,
                     help="time the transformers engine and the raw decode this many times, alternately, and "
@@ -144,7 +151,7 @@ def main() -> None:
                                  kv_cache_bytes=cfg.rollout.vllm_kv_cache_mb * 2**20)
     results = []
     try:
-        for B in a.batch:
+        for B in ([] if a.only_step else a.batch):
             rng = np.random.default_rng(0)
             reqs = []
             for i in range(B):  # the default training mix: every family, levels 1-4
@@ -168,29 +175,49 @@ def main() -> None:
     finally:
         if vllm_engine is not None:
             vllm_engine.close()
-    if a.skip_train or a.model:
+    if a.skip_train:
         print(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {a.clock} clock",
                           "rollout": results}))
         return
 
-    packing = packed_vs_padded(model, renderer, envs, cfg)
+    packing = None if a.only_step else packed_vs_padded(model, renderer, envs, cfg)
     print(json.dumps(packing), flush=True)
 
     from rail.train import Trainer
+    try:
+        from rail.rounds import score
+    except ImportError:  # an earlier commit, measured for comparison
+        from rail.train import score
     import tempfile
     from pathlib import Path
-    cfg.warmstart.enabled = True
+    cfg.warmstart.enabled = not a.model
+    cfg.rollout.engine = a.step_engine
     out = Path(tempfile.mkdtemp())
     (out / "config.json").write_text("{}")
     trainer = Trainer(cfg, out, show_progress=False)
     split = {"generate": 0.0, "score": 0.0, "controller": 0.0, "update": 0.0}
+    step_rollouts, one_batch = [], []
     for s in range(1, a.steps + 1):
         m = trainer.step(s)
         for k in split:
             split[k] += m[f"time/{k}_s"]
+        # all of the step's rollouts (base, rounds, fill, scored) against the same number of fresh rollouts
+        # generated and scored in one batch, on the same engine, right after it
+        step_rollouts.append(m.get("time/rollouts_s", m["time/generate_s"] + m["time/score_s"] + m["time/controller_s"]))
+        n = int(m["budget/step_base"] + m["budget/step_intervention"])
+        g = cfg.budget.group_size
+        tasks = trainer._sample_tasks(10_000 + s, -(-n // g))
+        reqs = [RolloutRequest(task=t, env=trainer.runners[f], system=trainer.envs[f].system_prompt(), group=i)
+                for i, (f, t) in enumerate(tasks) for _ in range(g)][:n]
+        t = time.perf_counter()
+        score(trainer.engine.generate(reqs, trainer.params, seed=s), tasks, trainer.envs)
+        one_batch.append(time.perf_counter() - t)
     tot = sum(split.values())
     step = {"step_seconds": round(tot / a.steps, 3),
-            **{f"{k}_share": round(v / tot, 3) for k, v in split.items()}}
+            **{f"{k}_share": round(v / tot, 3) for k, v in split.items()},
+            "step_rollouts_seconds": round(float(np.mean(step_rollouts)), 3),
+            "one_batch_seconds": round(float(np.mean(one_batch)), 3),
+            "step_rollouts_over_one_batch": round(float(np.sum(step_rollouts) / np.sum(one_batch)), 3)}
     print(json.dumps(step), flush=True)
     print(json.dumps({"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {a.clock} clock",
                       "rollout": results, "packing": packing, "train_step": step}))

@@ -17,10 +17,11 @@ Once a step's base rollouts are scored (docs/algorithms.md, "One training step")
 5. once the learner's filters have set each rollout's status (:func:`policy.learner.assign_status`): the
    controller's ``feedback`` and the step's ``intervention/*`` metrics (:func:`intervention_metrics`).
 
-Generation belongs to the caller. :class:`Rounds` is a generator protocol: it yields :class:`Generation` requests
-(the requests and a key naming the call within the step, for the caller's seeds) and is sent back the scored
-trajectories, one per request in order; :func:`drive` runs it with a synchronous ``generate``, :func:`adrive`
-with an async one (verl's agent loop manager).
+Generation belongs to the caller. :meth:`Rounds.protocol` is a generator that yields :class:`Start` (begin a
+:class:`Generation`: requests, and a key naming it within the step for the caller's seeds) and :class:`Wait` (send
+back its scored trajectories, one per request in order). Three drivers run it: :func:`drive_stream` on an engine's
+rollout stream, where what is started joins the running batch (rail's own loop); :func:`drive` with a synchronous
+``generate``, which runs what was started together as one batch; :func:`adrive` with an async one (verl).
 """
 
 from __future__ import annotations
@@ -381,6 +382,36 @@ async def adrive(protocol: Generator, generate: Callable[[Generation], Awaitable
                     gen = batch.merged()
                     batch.split(gen, await generate(gen))
                 msg = protocol.send(batch.done.pop(msg.gen))
+    except StopIteration as e:
+        return e.value
+
+
+def drive_stream(protocol: Generator, stream, score: Callable[[list], None]) -> Any:
+    """Run a protocol on a rollout stream (``policy.engine.RolloutStream``): a started generation's requests join
+    the running batch at once, and waiting for one advances the stream — every open episode, of every generation
+    started — until all of that one's episodes have ended. ``score(trajectories)`` scores episodes as they end.
+    A fill started beside a round goes on generating through the later rounds instead of after them."""
+    owner: dict[int, tuple[Generation, int]] = {}  # stream handle -> (generation, position in it)
+    results: dict[Generation, list] = {}
+    try:
+        msg = next(protocol)
+        while True:
+            if isinstance(msg, Start):
+                results[msg.gen] = [None] * len(msg.gen.requests)
+                for i, h in enumerate(stream.add(msg.gen.requests)):
+                    owner[h] = (msg.gen, i)
+                msg = protocol.send(None)
+                continue
+            got = results[msg.gen]
+            while any(t is None for t in got):
+                if not stream.open:
+                    raise RuntimeError("the rollout stream ended before every episode it was given")
+                ended = stream.advance()
+                score([tr for _, tr in ended])
+                for h, tr in ended:
+                    gen, i = owner.pop(h)
+                    results[gen][i] = tr
+            msg = protocol.send(results.pop(msg.gen))
     except StopIteration as e:
         return e.value
 

@@ -43,8 +43,8 @@ from rail.engines import close_engine, make_engine
 from rail.envs import ToolRunner, make_envs
 from rail.evaluate import eval_metrics, evaluate, mean_over, overall, task_counts
 from rail.policy_setup import RehearsalSource, make_policy
-from rail.rounds import (Generation, Rounds, derive_seed, drive, intervention_metrics, intervention_summary,
-                         make_group, make_menu, score)
+from rail.rounds import (Generation, Rounds, Start, Wait, derive_seed, drive, drive_stream, intervention_metrics,
+                         intervention_summary, make_group, make_menu, score)
 from rail.rundir import PARTIAL, RunError, RunLock, clear_partial, has_checkpoint, is_run_config, make_out
 from rail.settings import settings_from
 from rail.tracking import JsonlTracker, MlflowTracker, MultiTracker, NullTracker
@@ -63,6 +63,13 @@ def _malformed(step) -> bool:
     """A turn that was not a call of a listed tool in the model's tool format, unless the environment took it as
     the end of the reply to a user message (``bfcl``: a turn without a call ends the user turn)."""
     return step.action is None and not (step.ok and (step.done or step.user is not None))
+
+
+def _one(requests: list):
+    """The step protocol of a single generation: the base batch."""
+    gen = Generation(requests, ("base",), "base")
+    yield Start(gen)
+    return (yield Wait(gen))
 
 
 def resolve_out(cfg: Config) -> Path:
@@ -248,14 +255,25 @@ class Trainer:
     SEED_STREAMS = {"round": 5, "refill": 5, "fill": 6}
 
     def step(self, step: int) -> dict[str, float]:
+        """One training step (module docstring). Its rollouts — base groups, the controller's rounds, the fill —
+        run in one rollout stream when the engine has one: the base batch first, then each round's interventions
+        and the fill join the running batch as soon as they are decided (:func:`rail.rounds.drive_stream`)."""
         cfg, g = self.cfg, self.cfg.budget.group_size
         self._step_errors = {"reward": 0, "tool": 0}
         budget = self.ledger.open_step()
-        t = time.perf_counter()
+        t0 = t = time.perf_counter()
         per_rollout = self.state.tokens_per_rollout or cfg.max_rollout_tokens / 4
         n_groups = self.controller.plan_base(budget.limit, g, cfg.budget.unit, tokens_per_rollout=per_rollout)
         tasks = self._sample_tasks(step, n_groups)
-        trajs = self._generate(self._requests(tasks, range(n_groups), g), derive_seed(cfg.run.seed, step, 2), budget)
+        base = self._requests(tasks, range(n_groups), g)
+        seed = derive_seed(cfg.run.seed, step, 2)
+        stream = None
+        if hasattr(self.engine, "stream"):
+            cap = budget.remaining if cfg.budget.unit == "tokens" else None
+            stream = self.engine.stream(self.params, seed, max_new_tokens=cap)
+            trajs = drive_stream(_one(base), stream, lambda ended: None)
+        else:
+            trajs = self._generate(base, seed, budget)
         budget.charge("base", cost_of(trajs, cfg.budget.unit))
         t_gen = time.perf_counter() - t
 
@@ -270,15 +288,19 @@ class Trainer:
                         max_rounds=cfg.controller.max_rounds, group_size=g,
                         base_requests=lambda idx, k: self._requests(tasks, idx, k),
                         new_tasks=lambda n, stream: self._sample_tasks(step, n, stream), tokens_per_rollout=per_rollout)
+        if stream is not None:
+            with stream:
+                outcomes = drive_stream(rounds.protocol(), stream, lambda ended: self._score(ended, tasks))
+        else:
+            def generate(gen: Generation) -> list:
+                out = self._generate(gen.requests, derive_seed(cfg.run.seed, step, self.SEED_STREAMS[gen.key[0]],
+                                                               *gen.key[1:]), budget)
+                self._score(out, tasks)
+                return out
 
-        def generate(gen: Generation) -> list:
-            out = self._generate(gen.requests, derive_seed(cfg.run.seed, step, self.SEED_STREAMS[gen.key[0]],
-                                                           *gen.key[1:]), budget)
-            self._score(out, tasks)
-            return out
-
-        outcomes = drive(rounds.protocol(), generate)
+            outcomes = drive(rounds.protocol(), generate)
         all_trajs = trajs + rounds.trajectories
+        t_rollouts = time.perf_counter() - t0  # every rollout of the step: base, rounds and fill, scored
         t_ctl = time.perf_counter() - t  # includes the interventions' generation; time/controller_s is the total
 
         t = time.perf_counter()
@@ -336,6 +358,7 @@ class Trainer:
             "errors/reward": float(self._step_errors["reward"]),
             "errors/tool": float(self._step_errors["tool"]),
             "time/generate_s": t_gen, "time/score_s": t_score, "time/controller_s": t_ctl, "time/update_s": t_upd,
+            "time/rollouts_s": t_rollouts,
         }
         m.update(self._intervention_metrics(groups, outcomes, budget))
         m.update(self.controller.metrics())
