@@ -6,6 +6,10 @@ token by token, and tool observations are appended as template tokens (never re-
 A request may continue a trajectory from a prefix (its first ``t`` turns, copied with their tokens and
 log-probs) and may carry :class:`~policy.records.Guidance` that is marked so the learner can strip it.
 
+Generation is turn by turn: an engine's :meth:`~RolloutEngine.stream` is a :class:`RolloutStream`, to which
+requests can be added while it runs (they join the batch at its next turn), and ``generate`` is a stream that all
+requests join at once, run until every episode has ended.
+
 ``TransformersEngine`` is the CPU default; ``policy.vllm_engine.VLLMEngine`` implements the same protocol on vLLM.
 """
 
@@ -13,12 +17,13 @@ from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from policy.kvcache import grouped_heads_in_place, make_roomy, merge_rows, split_rows
+from policy.kvcache import (add_columns, add_rows, grouped_heads_in_place, make_roomy, merge_rows, split_rows,
+                            write_rows)
 from policy.records import Guidance, Origin, RolloutRequest, Trajectory  # noqa: F401 - RolloutRequest: the engine's input
 from policy.sampling import sample_tokens
 from policy.tokenizer import ChatRenderer
@@ -53,6 +58,10 @@ class RolloutEngine(Protocol):
     ) -> list[Trajectory]:
         """Generate one trajectory per request; never sample more than ``max_new_tokens`` in total."""
 
+    def stream(self, params: SamplingParams, seed: int, max_new_tokens: int | None = None) -> "RolloutStream":
+        """A running batch that requests can join between turns (:class:`RolloutStream`); never more than
+        ``max_new_tokens`` sampled over everything it runs."""
+
 
 class Episode:
     """Mutable generation state of one request (shared by every engine: prompt rendering, branching from a
@@ -81,6 +90,7 @@ class Episode:
         )
         self.finished = False
         self.pending_text = ""  # the text of the turn just sampled, for the environment to execute
+        self.handle: int | None = None  # its index in the stream it runs in
         if req.prefix is not None and req.prefix_turns > 0:
             self._copy_prefix(req.prefix, req.prefix_turns, renderer, None if hint_now else g.hint)
 
@@ -141,40 +151,149 @@ class Episode:
                 self.push(tok, Origin.TOOL, 0.0, turn)
 
 
+class RolloutStream:
+    """A running batch of rollouts that requests join between turns; the multi-turn loop every engine shares (only
+    sampling differs between engines: :meth:`_sample_turn`).
+
+    - :meth:`add` starts one episode per request and returns their handles, their indices in the stream (0, 1, ...
+      in the order they were added); a guided step (an injected reference action) is written and executed at once.
+      They join the batch at the next :meth:`advance`.
+    - :meth:`advance` samples one assistant turn for every open episode, executes each turn in its environment, and
+      returns ``(handle, trajectory)`` for every episode that ended (with ``n_generated`` set), each exactly once;
+      between two calls the caller can score them, decide, and add more. Nothing open: ``[]``.
+    - :attr:`open`: episodes added and not returned yet (an injected step can end an episode at :meth:`add`: the
+      next :meth:`advance` returns it without sampling).
+    - One token budget, ``max_new_tokens``, holds for everything the stream samples, over every wave of requests;
+      it is never exceeded: when what is left cannot give every open episode one more token, they all end
+      truncated (:attr:`tokens_left` says what is left).
+
+    ``generate(requests)`` is :func:`run_stream`: all requests added at once, advanced until none is open. Engines
+    keep :class:`EngineStats` as for ``generate`` (``seconds``: the time spent in :meth:`add` and :meth:`advance`).
+    :meth:`close` (or leaving a ``with`` block) releases what the stream holds (a KV cache); open episodes are
+    dropped.
+    """
+
+    def __init__(self, renderer: ChatRenderer, params: SamplingParams, max_new_tokens: int | None,
+                 stats: EngineStats):
+        self.renderer, self.params, self.stats = renderer, params, stats
+        self._budget = [max_new_tokens if max_new_tokens is not None else float("inf")]
+        self._open: dict[int, Episode] = {}  # handle -> episode, in handle order
+        self._added = 0
+        self._closed = False
+
+    @property
+    def open(self) -> int:
+        """Episodes added and not yet returned by :meth:`advance`."""
+        return len(self._open)
+
+    @property
+    def tokens_left(self) -> int | None:
+        """What is left of the token budget (None: no budget)."""
+        b = self._budget[0]
+        return None if b == float("inf") else int(b)
+
+    def add(self, requests: Sequence[RolloutRequest]) -> list[int]:
+        """Start one episode per request; they join the batch at the next turn. Returns their handles."""
+        self._check()
+        return self.add_episodes([Episode(r, self.renderer) for r in requests])
+
+    def add_episodes(self, episodes: Sequence[Episode]) -> list[int]:
+        """:meth:`add` for episodes already built."""
+        self._check()
+        t0, tool_clock = time.perf_counter(), [0.0]
+        for ep in episodes:  # guided steps are written before any sampling
+            ep.inject(self.renderer, self.params.max_turns, tool_clock)
+        handles = list(range(self._added, self._added + len(episodes)))
+        self._added += len(episodes)
+        for h, ep in zip(handles, episodes):
+            ep.handle = h
+            self._open[h] = ep
+        self._joined(list(episodes))
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.tool_seconds += tool_clock[0]
+        return handles
+
+    def advance(self) -> list[tuple[int, Trajectory]]:
+        """Sample one assistant turn for every open episode and execute it; return the episodes that ended."""
+        self._check()
+        t0, tool_clock = time.perf_counter(), [0.0]
+        active = [e for e in self._open.values() if not e.finished]
+        if active and self._budget[0] < len(active):  # not even one more token each: stop everything
+            for e in active:
+                e.traj.truncated, e.finished = True, True
+        elif active:
+            self._sample_turn(active, self._budget)
+            for e in active:
+                if e.traj.truncated:  # the token budget ran out mid-turn: do not execute a cut call
+                    e.finished = True
+                    continue
+                e.end_turn(e.pending_text, self.renderer, self.params.max_turns, tool_clock)
+        out = []
+        for h in [h for h, e in self._open.items() if e.finished]:
+            tr = self._open.pop(h).traj
+            tr.n_generated = sum(1 for o, t in zip(tr.origin, tr.turn) if o == Origin.POLICY and t >= tr.prefix_turns)
+            out.append((h, tr))
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.tool_seconds += tool_clock[0]
+        return out
+
+    def close(self) -> None:
+        """Release what the stream holds; it takes no more requests (idempotent)."""
+        self._closed = True
+        self._open.clear()
+
+    def __enter__(self) -> "RolloutStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check(self) -> None:
+        if self._closed:
+            raise RuntimeError("this rollout stream is closed")
+
+    # ------------------------------------------------------------------ what an engine provides
+    def _joined(self, episodes: list[Episode]) -> None:
+        """Episodes were added (some possibly ended already, by an injected step): place them for sampling."""
+
+    def _sample_turn(self, active: list[Episode], budget: list) -> None:
+        """Sample one assistant turn for every episode of ``active`` (pushing its tokens and log-probs, setting
+        ``pending_text``), taking what it samples off ``budget[0]`` and marking an episode ``truncated`` when the
+        budget ran out mid-turn."""
+        raise NotImplementedError
+
+
+class _CallbackStream(RolloutStream):
+    def __init__(self, renderer, params, max_new_tokens, stats, sample_turn: Callable):
+        super().__init__(renderer, params, max_new_tokens, stats)
+        self._sample_turn = sample_turn
+
+
+def run_stream(stream: RolloutStream, requests: Sequence[RolloutRequest]) -> list[Trajectory]:
+    """``generate`` on a new stream: add every request at once, advance until none is open; the trajectories in
+    request order."""
+    return _run_out(stream, stream.add(requests))
+
+
+def _run_out(stream: RolloutStream, handles: list[int]) -> list[Trajectory]:
+    done: dict[int, Trajectory] = {}
+    while stream.open:
+        done.update(stream.advance())
+    return [done[h] for h in handles]
+
+
 def run_episodes(episodes: list[Episode], renderer: ChatRenderer, params: SamplingParams,
                  max_new_tokens: int | None, sample_turn, stats: EngineStats) -> list[Trajectory]:
-    """The multi-turn loop every engine shares; only sampling differs between engines.
+    """The multi-turn loop every engine shares (:class:`RolloutStream`), for episodes that all start at once, with
+    ``sample_turn(active, budget)`` as the stream's :meth:`~RolloutStream._sample_turn`.
 
     Guided steps are written first; then, while any episode is open, ``sample_turn(active, budget)`` samples one
     assistant turn for every open episode (pushing its tokens and log-probs, setting ``pending_text``, taking
     what it samples off ``budget[0]`` and marking an episode ``truncated`` when the budget ran out mid-turn), and
     each turn is executed by its environment. Never more than ``max_new_tokens`` are sampled in total.
     """
-    t_start = time.perf_counter()
-    budget = [max_new_tokens if max_new_tokens is not None else float("inf")]
-    tool_clock = [0.0]
-    for ep in episodes:  # guided steps are written before any sampling
-        ep.inject(renderer, params.max_turns, tool_clock)
-    while True:
-        active = [e for e in episodes if not e.finished]
-        if not active:
-            break
-        if budget[0] < len(active):  # not even one more token each: stop everything
-            for e in active:
-                e.traj.truncated, e.finished = True, True
-            break
-        sample_turn(active, budget)
-        for e in active:
-            if e.traj.truncated:  # the token budget ran out mid-turn: do not execute a cut call
-                e.finished = True
-                continue
-            e.end_turn(e.pending_text, renderer, params.max_turns, tool_clock)
-    for e in episodes:
-        e.traj.n_generated = sum(1 for o, t in zip(e.traj.origin, e.traj.turn)
-                                 if o == Origin.POLICY and t >= e.traj.prefix_turns)
-    stats.seconds += time.perf_counter() - t_start
-    stats.tool_seconds += tool_clock[0]
-    return [e.traj for e in episodes]
+    with _CallbackStream(renderer, params, max_new_tokens, stats, sample_turn) as stream:
+        return _run_out(stream, stream.add_episodes(episodes))
 
 
 class _Chunk:
@@ -186,6 +305,11 @@ class _Chunk:
     sits out (it ended its turn early) are masked, so the cache has holes that no row ever attends to; position
     ids are each row's own token count, so a row sees exactly its unpadded context. Rows whose episode finished
     are dropped from the cache between turns.
+
+    Episodes added to a running stream join a chunk between turns as new rows (:meth:`join`): their cache rows are
+    masked over every column already there and ``fed`` is 0; at the next turn their contexts are prefilled in a
+    forward of their own into columns of the cache they are masked on
+    (:meth:`TransformersEngine._prefill_joined`), and from then on they are rows like the others.
 
     With transformers' per-layer ``DynamicCache`` (``roomy``), the cache grows in place and a turn's last decode
     steps can run on some of the rows only (:meth:`split`, :meth:`merge`).
@@ -234,6 +358,17 @@ class _Chunk:
             for layer in layers:
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
             self.attn = self.attn[:, first:]
+
+    def join(self, episodes: list[Episode]) -> bool:
+        """Take ``episodes`` as new rows (between turns), their cache rows zeros and masked over every column the
+        cache holds; False, and nothing changed, where the cache cannot take rows."""
+        if self.cache is not None:
+            if not add_rows(self.cache, len(episodes)):
+                return False
+            self.attn = torch.cat([self.attn, self.attn.new_zeros((len(episodes), self.attn.shape[1]))])
+        self.eps = self.eps + list(episodes)
+        self.fed = self.fed + [0] * len(episodes)
+        return True
 
     def split(self, rows: torch.Tensor, room: int) -> "_Chunk":
         """A chunk of copies of ``rows``' cache and mask, for decode steps the other rows sit out."""
@@ -288,7 +423,6 @@ class TransformersEngine:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
-    @torch.no_grad()
     def generate(
         self,
         requests: Sequence[RolloutRequest],
@@ -296,24 +430,16 @@ class TransformersEngine:
         seed: int,
         max_new_tokens: int | None = None,
     ) -> list[Trajectory]:
-        device = next(self.model.parameters()).device
-        gen = torch.Generator(device=device).manual_seed(int(seed))  # sampling draws on the logits' device
-        episodes = [Episode(r, self.renderer) for r in requests]
-        chunks = [_Chunk(episodes[i : i + self.batch_size]) for i in range(0, len(episodes), self.batch_size)]
+        with self.stream(params, seed, max_new_tokens) as stream:
+            return run_stream(stream, requests)
 
-        def sample_turn(active: list[Episode], budget: list) -> None:
-            for ch in chunks:
-                ch.compact()
-                if ch.eps:
-                    self._sample_turn(ch, params, gen, budget)
-
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with grouped_heads_in_place(self.model):
-                return run_episodes(episodes, self.renderer, params, max_new_tokens, sample_turn, self.stats)
-        finally:
-            self.model.train(was_training)
+    def stream(self, params: SamplingParams, seed: int, max_new_tokens: int | None = None) -> "_TransformersStream":
+        """A :class:`RolloutStream` on this engine. Requests added while it runs join a chunk that has room (fewer
+        than ``batch_size`` open episodes) as new rows, so they cost no forward pass of their own; where none has
+        room, they start a new chunk. One generator, seeded with ``seed``, draws for each chunk in turn, so rows
+        that join change what the stream samples afterwards (for every row of their chunk, and of the chunks after
+        it); a stream that all requests join at once samples exactly what ``generate`` samples."""
+        return _TransformersStream(self, params, seed, max_new_tokens)
 
     @staticmethod
     def _cache_of(out):
@@ -333,23 +459,60 @@ class TransformersEngine:
             ch.cache = self._cache_of(out)
         return out.logits[:, -1]
 
+    def _padded(self, seqs: list[list[int]], starts: list[int]):
+        """``seqs`` left-padded into (B, S) input ids, attention mask and position ids (row ``b`` from position
+        ``starts[b]``)."""
+        B, S = len(seqs), max(len(p) for p in seqs)
+        ids = torch.full((B, S), self.renderer.pad, dtype=torch.long)
+        attn = torch.zeros((B, S), dtype=torch.long)
+        pos = torch.zeros((B, S), dtype=torch.long)
+        for b, (p, f) in enumerate(zip(seqs, starts)):
+            n = len(p)
+            ids[b, S - n:] = torch.tensor(p, dtype=torch.long)
+            attn[b, S - n:] = 1
+            pos[b, S - n:] = torch.arange(f, f + n)
+            pos[b, : S - n] = f  # padding: masked, any position will do
+        return ids, attn, pos
+
     def _feed_pending(self, ch: _Chunk, device, room: int) -> torch.Tensor:
         """Feed every row's context beyond ``fed`` (left-padded); return the next-token logits (B, V). The cache
         gets room for ``room`` more columns after the feed."""
         pend = [e.context()[f:] for e, f in zip(ch.eps, ch.fed)]
-        B, S = len(pend), max(len(p) for p in pend)
-        ids = torch.full((B, S), self.renderer.pad, dtype=torch.long)
-        attn = torch.zeros((B, S), dtype=torch.long)
-        pos = torch.zeros((B, S), dtype=torch.long)
+        ids, attn, pos = self._padded(pend, ch.fed)
         for b, p in enumerate(pend):
-            n = len(p)
-            ids[b, S - n:] = torch.tensor(p)
-            attn[b, S - n:] = 1
-            pos[b, S - n:] = torch.arange(ch.fed[b], ch.fed[b] + n)
-            pos[b, : S - n] = ch.fed[b]  # padding: masked, any position will do
-            ch.fed[b] += n
-        ch.reserve(S + room)
+            ch.fed[b] += len(p)
+        ch.reserve(ids.shape[1] + room)
         return self._forward(ch, ids.to(device), attn.to(device), pos.to(device), room)
+
+    def _prefill_joined(self, ch: _Chunk, device) -> None:
+        """Prefill the rows that joined the chunk since its last turn (``fed`` 0 in a cache that holds other rows):
+        their context but its last token, in one forward of their own, written into the last columns of the chunk's
+        cache, which those rows are masked on (on all of them: they hold nothing yet); their last token is fed with
+        the turn's feed. Fed with the other rows' observations instead, their prompts would pad every other row's
+        feed to a prompt's length and add as many columns to every row's cache, which the decode steps of every
+        turn after would attend over. Columns are added (masked for the other rows) only where the cache holds fewer
+        than a joined context."""
+        rows = [b for b, f in enumerate(ch.fed) if f == 0]
+        if ch.cache is None or not rows:
+            return
+        pend = [ch.eps[b].context()[:-1] for b in rows]
+        if not any(pend):
+            return
+        ids, attn, pos = self._padded(pend, [0] * len(rows))
+        out = self.model(input_ids=ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device),
+                         use_cache=True, logits_to_keep=1)
+        self.stats.forward_calls += 1
+        S, n = ids.shape[1], ch.attn.shape[1]
+        if n < S:
+            add_columns(ch.cache, S - n)
+            ch.attn = torch.cat([ch.attn, ch.attn.new_zeros((ch.attn.shape[0], S - n))], dim=1)
+            n = S
+        at = torch.tensor(rows, device=ch.attn.device)
+        if not write_rows(ch.cache, self._cache_of(out), at, n - S):
+            return  # the turn's feed prefills them then
+        ch.attn[at, n - S:] = attn.to(ch.attn.device)
+        for b, p in zip(rows, pend):
+            ch.fed[b] = len(p)
 
     def _step_rows(self, ch: _Chunk, sub: _Chunk | None, rows: torch.Tensor | None, alive: torch.Tensor,
                    room: int):
@@ -380,6 +543,7 @@ class TransformersEngine:
         """
         device = next(self.model.parameters()).device
         eps = ch.eps
+        self._prefill_joined(ch, device)
         logits = self._feed_pending(ch, device, params.max_tokens_per_turn)
         B = len(eps)
         alive = torch.ones(B, dtype=torch.bool)  # rows still sampling their turn
@@ -440,3 +604,48 @@ class TransformersEngine:
             if open_rows[b]:  # ran out of tokens mid-turn: close the turn with an untrained end-of-turn
                 e.push(eot, Origin.TOOL, 0.0, turn)
             e.pending_text = self.renderer.decode([t for t, _ in row if t != eot])
+
+
+class _TransformersStream(RolloutStream):
+    """:meth:`TransformersEngine.stream`: the episodes in chunks that keep their KV cache across turns."""
+
+    def __init__(self, engine: TransformersEngine, params: SamplingParams, seed: int, max_new_tokens: int | None):
+        super().__init__(engine.renderer, params, max_new_tokens, engine.stats)
+        self.engine = engine
+        device = next(engine.model.parameters()).device
+        self.gen = torch.Generator(device=device).manual_seed(int(seed))  # sampling draws on the logits' device
+        self.chunks: list[_Chunk] = []
+
+    def _joined(self, episodes: list[Episode]) -> None:
+        """Fill the chunks that have room (in order), then new chunks of ``batch_size``. (Episodes an injected step
+        ended take a place too, so that ``generate``'s chunks are its requests in runs of ``batch_size``; they
+        leave at the next turn.)"""
+        size, rest = self.engine.batch_size, list(episodes)
+        for ch in self.chunks:
+            if not rest:
+                break
+            ch.compact()
+            room = size - len(ch.eps)
+            if room > 0 and ch.join(rest[:room]):
+                rest = rest[room:]
+        self.chunks = [ch for ch in self.chunks if ch.eps]
+        self.chunks += [_Chunk(rest[i:i + size]) for i in range(0, len(rest), size)]
+
+    @torch.no_grad()
+    def _sample_turn(self, active: list[Episode], budget: list) -> None:
+        model = self.engine.model
+        was_training = model.training
+        model.eval()
+        try:
+            with grouped_heads_in_place(model):
+                for ch in self.chunks:
+                    ch.compact()
+                    if ch.eps:
+                        self.engine._sample_turn(ch, self.params, self.gen, budget)
+        finally:
+            model.train(was_training)
+        self.chunks = [ch for ch in self.chunks if ch.eps]
+
+    def close(self) -> None:
+        super().close()
+        self.chunks = []  # their KV caches

@@ -3,6 +3,7 @@ off into a cache of their own and merged back, and attention that reads its grou
 
 ``DynamicLayer`` appends with ``torch.cat``, copying the whole cache in every layer at every decode step; a
 ``RoomyLayer`` keeps its keys and values as views into buffers with room to grow, so a step writes one column.
+Rows can also be added to a cache (:func:`add_rows`): episodes that join a running batch.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ try:  # transformers >= 4.56 keeps a DynamicCache's tensors in per-layer objects
     from transformers.cache_utils import DynamicLayer
 except ImportError:  # older caches are used as the model returns them
     DynamicLayer = None
+_PLAIN_LAYER = DynamicLayer  # the plain layer class, for add_rows (whether make_roomy may take it or not)
 
 #: Columns a layer grows by beyond what is asked for, so that a turn's feed rarely copies the cache again.
 SPARE = 64
@@ -66,6 +68,13 @@ class RoomyLayer(DynamicLayer or object):  # (``object``: never built then, make
         self._k, self._v = self._k[:, :, first:], self._v[:, :, first:]
         self._view(n - first)
 
+    def add_rows(self, k: int) -> None:
+        """Append ``k`` rows holding zeros in every column, room included."""
+        n = self.keys.shape[-2]
+        self._k = torch.cat([self._k, self._k.new_zeros((k, *self._k.shape[1:]))])
+        self._v = torch.cat([self._v, self._v.new_zeros((k, *self._v.shape[1:]))])
+        self._view(n)
+
     def append_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append ``keys``/``values`` (len(rows), H, k, D) as ``k`` new columns of ``rows``; the others get zeros."""
         n, k = self.keys.shape[-2], keys.shape[-2]
@@ -81,6 +90,55 @@ def make_roomy(cache, room: int) -> bool:
     if DynamicLayer is None or not layers or any(type(la) is not DynamicLayer for la in layers):
         return False
     layers[:] = [RoomyLayer(la.keys, la.values, room) for la in layers]
+    return True
+
+
+def add_rows(cache, k: int) -> bool:
+    """Append ``k`` rows of zeros to every layer of ``cache`` (RoomyLayers or plain ``DynamicLayer``s): rows whose
+    attention mask is zero over every column the cache holds so far, so what they hold there is never read. False,
+    and the cache left as it is, for any other cache (older transformers' caches, sliding windows, ...)."""
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return False
+    if all(type(la) is RoomyLayer for la in layers):
+        for la in layers:
+            la.add_rows(k)
+        return True
+    if _PLAIN_LAYER is None or any(type(la) is not _PLAIN_LAYER or getattr(la, "keys", None) is None
+                                   for la in layers):
+        return False
+    for la in layers:
+        la.keys = torch.cat([la.keys, la.keys.new_zeros((k, *la.keys.shape[1:]))])
+        la.values = torch.cat([la.values, la.values.new_zeros((k, *la.values.shape[1:]))])
+    return True
+
+
+def add_columns(cache, k: int) -> None:
+    """Append ``k`` columns of zeros to every row of every layer of a cache :func:`add_rows` takes."""
+    for la in cache.layers:
+        n = la.keys.shape[-2]
+        if type(la) is RoomyLayer:
+            la.reserve(k)
+            la._k[:, :, n:n + k], la._v[:, :, n:n + k] = 0, 0
+            la._view(n + k)
+        else:
+            la.keys = torch.cat([la.keys, la.keys.new_zeros((*la.keys.shape[:2], k, la.keys.shape[-1]))], dim=-2)
+            la.values = torch.cat([la.values, la.values.new_zeros((*la.values.shape[:2], k, la.values.shape[-1]))],
+                                  dim=-2)
+
+
+def write_rows(cache, src, rows: torch.Tensor, start: int) -> bool:
+    """Write the keys and values of ``src`` (a cache of ``len(rows)`` rows and ``S`` columns) into columns
+    ``start:start + S`` of ``rows`` of ``cache`` (one :func:`add_rows` takes), in place. False, and nothing written,
+    where ``src``'s layers hold no plain keys and values."""
+    layers = getattr(src, "layers", None)
+    if not layers or len(layers) != len(cache.layers) or any(
+            not isinstance(getattr(s, "keys", None), torch.Tensor) for s in layers):
+        return False
+    for la, s in zip(cache.layers, layers):
+        k, v = (la._k, la._v) if type(la) is RoomyLayer else (la.keys, la.values)
+        S = s.keys.shape[-2]
+        k[rows, :, start:start + S], v[rows, :, start:start + S] = s.keys, s.values
     return True
 
 

@@ -3,9 +3,12 @@
 Token-in/token-out: every assistant turn of every open episode is one vLLM request whose prompt is the episode's
 whole context as token ids (``TokensPrompt``), so prompts, tool observations, hints and branch prefixes are
 rendered exactly as for :class:`~policy.engine.TransformersEngine` (the episodes, the multi-turn loop and the
-guidance marking are the same code, :func:`policy.engine.run_episodes`); vLLM's prefix cache reuses the blocks of
-the turns before. Each sampled token comes back with its log-prob under the distribution it was drawn from
-(``logprobs_mode = "processed_logprobs"``: after temperature, and after top-p where ``top_p < 1``).
+guidance marking are the same code, :class:`policy.engine.RolloutStream`); vLLM's prefix cache reuses the blocks
+of the turns before. Each sampled token comes back with its log-prob under the distribution it was drawn from
+(``logprobs_mode = "processed_logprobs"``: after temperature, and after top-p where ``top_p < 1``). Each request
+is seeded with (seed, episode handle, turn), so an episode's tokens do not depend on what else shares the batch:
+requests added to a running stream (:meth:`VLLMEngine.stream`) sample what ``generate`` samples for the request
+at the same index.
 
 Weights: the engine starts from a copy of the trainer's model written to a temporary directory, and
 :meth:`VLLMEngine.sync_weights` pushes the trainer's weights after every optimizer update (one safetensors blob
@@ -30,7 +33,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from policy.engine import EngineStats, Episode, RolloutRequest, SamplingParams, run_episodes
+from policy.engine import EngineStats, Episode, RolloutRequest, RolloutStream, SamplingParams, run_stream
 from policy.reaper import Reaper, process_tree
 from policy.records import Origin, Trajectory
 from policy.tokenizer import ChatRenderer
@@ -123,14 +126,17 @@ class VLLMEngine:
         seed: int,
         max_new_tokens: int | None = None,
     ) -> list[Trajectory]:
-        episodes = [Episode(r, self.renderer) for r in requests]
-        index = {id(e): i for i, e in enumerate(episodes)}
-        return run_episodes(episodes, self.renderer, params, max_new_tokens,
-                            lambda active, budget: self._sample_turn(active, budget, params, seed, index),
-                            self.stats)
+        with self.stream(params, seed, max_new_tokens) as stream:
+            return run_stream(stream, requests)
 
-    def _sample_turn(self, active: list[Episode], budget: list, params: SamplingParams, seed: int,
-                     index: dict) -> None:
+    def stream(self, params: SamplingParams, seed: int, max_new_tokens: int | None = None) -> RolloutStream:
+        """A :class:`~policy.engine.RolloutStream` on vLLM: each turn of the open episodes is one batched
+        ``LLM.generate`` call. A request's seed is (``seed``, handle, turn), so an episode's tokens are the ones
+        ``generate`` gives the request at the same index, whichever wave added it (with a token budget, its share of
+        the budget can differ)."""
+        return _VLLMStream(self, params, seed, max_new_tokens)
+
+    def _sample_turn(self, active: list[Episode], budget: list, params: SamplingParams, seed: int) -> None:
         """One assistant turn for every open episode, in one batched ``LLM.generate`` call."""
         from vllm import SamplingParams as VSampling
         from vllm.inputs import TokensPrompt
@@ -150,7 +156,7 @@ class VLLMEngine:
             prompts.append(TokensPrompt(prompt_token_ids=ctx))
             sampling.append(VSampling(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=room,
                                       stop_token_ids=[eot], logprobs=0, detokenize=False,
-                                      seed=_request_seed(seed, index[id(e)], e.traj.n_turns)))
+                                      seed=_request_seed(seed, e.handle, e.traj.n_turns)))
         outs = iter(self.llm.generate(prompts, sampling, use_tqdm=False) if prompts else [])
         self.stats.forward_calls += 1
         for e, room in zip(active, asked):
@@ -198,3 +204,12 @@ class VLLMEngine:
         if self.reaper is not None:
             self.reaper.close()
             self.reaper = None
+
+
+class _VLLMStream(RolloutStream):
+    def __init__(self, engine: VLLMEngine, params: SamplingParams, seed: int, max_new_tokens: int | None):
+        super().__init__(engine.renderer, params, max_new_tokens, engine.stats)
+        self.engine, self.seed = engine, int(seed)
+
+    def _sample_turn(self, active: list[Episode], budget: list) -> None:
+        self.engine._sample_turn(active, budget, self.params, self.seed)

@@ -142,6 +142,39 @@ def test_sampled_logprobs_agree_with_a_forward_pass(setup, engine):
     assert [t.ids for t in again] == [t.ids for t in trajs[:5]]
 
 
+def test_a_stream_samples_for_each_request_what_generate_samples_whichever_wave_added_it(setup, engine):
+    """Requests added to a running stream after its first turn (their handles go on from the first wave's) sample
+    the tokens ``generate`` gives the request at the same index: each vLLM request is seeded by (seed, index,
+    turn). A token budget holds over both waves."""
+    cfg, *_ = setup
+    params = _params(cfg, 1.0)
+    want = engine.generate(_requests(setup, 16, seed=13), params, seed=6)
+    reqs = _requests(setup, 16, seed=13)
+    with engine.stream(params, seed=6) as s:
+        assert s.advance() == []
+        assert s.add(reqs[:9]) == list(range(9))
+        done = dict(s.advance())
+        assert s.add(reqs[9:]) == list(range(9, 16))
+        while s.open:
+            out = s.advance()
+            assert not {h for h, _ in out} & set(done)
+            done.update(out)
+    got = [done[h] for h in range(16)]
+    assert [t.ids for t in got] == [t.ids for t in want]
+    assert [t.origin for t in got] == [t.origin for t in want]
+    assert [t.n_generated for t in got] == [t.n_generated for t in want] and sum(t.n_generated for t in got) > 100
+    for x, y in zip(got, want):
+        assert np.allclose(x.logprobs, y.logprobs, atol=LOGPROB_TOL)
+    with engine.stream(params, seed=2, max_new_tokens=150) as s:
+        handles = s.add(_requests(setup, 8))
+        done = dict(s.advance())
+        handles += s.add(_requests(setup, 8, seed=1))
+        while s.open:
+            done.update(s.advance())
+    assert sorted(done) == handles
+    assert sum(t.n_generated for t in done.values()) <= 150 and any(t.truncated for t in done.values())
+
+
 def test_after_an_update_the_engine_samples_from_the_updated_weights(setup, engine):
     cfg, envs, model, renderer, _ = setup
     with torch.no_grad():
