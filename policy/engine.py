@@ -63,7 +63,7 @@ class RolloutEngine(Protocol):
         ``max_new_tokens`` sampled over everything it runs."""
 
 
-class Episode:
+class RolloutState:
     """Mutable generation state of one request (shared by every engine: prompt rendering, branching from a
     prefix, guidance marking, tool observations). The engines sample its turns; ``rail.integrations.verl`` drives
     one through verl's LLM server."""
@@ -177,7 +177,7 @@ class RolloutStream:
                  stats: EngineStats):
         self.renderer, self.params, self.stats = renderer, params, stats
         self._budget = [max_new_tokens if max_new_tokens is not None else float("inf")]
-        self._open: dict[int, Episode] = {}  # handle -> episode, in handle order
+        self._open: dict[int, RolloutState] = {}  # handle -> episode, in handle order
         self._added = 0
         self._closed = False
 
@@ -195,9 +195,9 @@ class RolloutStream:
     def add(self, requests: Sequence[RolloutRequest]) -> list[int]:
         """Start one episode per request; they join the batch at the next turn. Returns their handles."""
         self._check()
-        return self.add_episodes([Episode(r, self.renderer) for r in requests])
+        return self.add_episodes([RolloutState(r, self.renderer) for r in requests])
 
-    def add_episodes(self, episodes: Sequence[Episode]) -> list[int]:
+    def add_episodes(self, episodes: Sequence[RolloutState]) -> list[int]:
         """:meth:`add` for episodes already built."""
         self._check()
         t0, tool_clock = time.perf_counter(), [0.0]
@@ -253,10 +253,10 @@ class RolloutStream:
             raise RuntimeError("this rollout stream is closed")
 
     # ------------------------------------------------------------------ what an engine provides
-    def _joined(self, episodes: list[Episode]) -> None:
+    def _joined(self, episodes: list[RolloutState]) -> None:
         """Episodes were added (some possibly ended already, by an injected step): place them for sampling."""
 
-    def _sample_turn(self, active: list[Episode], budget: list) -> None:
+    def _sample_turn(self, active: list[RolloutState], budget: list) -> None:
         """Sample one assistant turn for every episode of ``active`` (pushing its tokens and log-probs, setting
         ``pending_text``), taking what it samples off ``budget[0]`` and marking an episode ``truncated`` when the
         budget ran out mid-turn."""
@@ -282,7 +282,7 @@ def _run_out(stream: RolloutStream, handles: list[int]) -> list[Trajectory]:
     return [done[h] for h in handles]
 
 
-def run_episodes(episodes: list[Episode], renderer: ChatRenderer, params: SamplingParams,
+def run_episodes(episodes: list[RolloutState], renderer: ChatRenderer, params: SamplingParams,
                  max_new_tokens: int | None, sample_turn, stats: EngineStats) -> list[Trajectory]:
     """The multi-turn loop every engine shares (:class:`RolloutStream`), for episodes that all start at once, with
     ``sample_turn(active, budget)`` as the stream's :meth:`~RolloutStream._sample_turn`.
@@ -315,7 +315,7 @@ class _Chunk:
     steps can run on some of the rows only (:meth:`split`, :meth:`merge`).
     """
 
-    def __init__(self, episodes: list[Episode]):
+    def __init__(self, episodes: list[RolloutState]):
         self.eps = episodes
         self.cache = None
         self.attn: torch.Tensor | None = None  # (B, cache length), 1 where the cache holds a real token
@@ -359,7 +359,7 @@ class _Chunk:
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
             self.attn = self.attn[:, first:]
 
-    def join(self, episodes: list[Episode]) -> bool:
+    def join(self, episodes: list[RolloutState]) -> bool:
         """Take ``episodes`` as new rows (between turns), their cache rows zeros and masked over every column the
         cache holds; False, and nothing changed, where the cache cannot take rows."""
         if self.cache is not None:
@@ -616,7 +616,7 @@ class _TransformersStream(RolloutStream):
         self.gen = torch.Generator(device=device).manual_seed(int(seed))  # sampling draws on the logits' device
         self.chunks: list[_Chunk] = []
 
-    def _joined(self, episodes: list[Episode]) -> None:
+    def _joined(self, episodes: list[RolloutState]) -> None:
         """Fill the chunks that have room (in order), then new chunks of ``batch_size``. (Episodes an injected step
         ended take a place too, so that ``generate``'s chunks are its requests in runs of ``batch_size``; they
         leave at the next turn.)"""
@@ -632,7 +632,7 @@ class _TransformersStream(RolloutStream):
         self.chunks += [_Chunk(rest[i:i + size]) for i in range(0, len(rest), size)]
 
     @torch.no_grad()
-    def _sample_turn(self, active: list[Episode], budget: list) -> None:
+    def _sample_turn(self, active: list[RolloutState], budget: list) -> None:
         model = self.engine.model
         was_training = model.training
         model.eval()

@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from policy.engine import EngineStats, Episode, RolloutRequest, RolloutStream, SamplingParams, run_stream
+from policy.engine import EngineStats, RolloutState, RolloutRequest, RolloutStream, SamplingParams, run_stream
 from policy.reaper import Reaper, process_tree
 from policy.records import Origin, Trajectory
 from policy.tokenizer import ChatRenderer
@@ -136,7 +136,7 @@ class VLLMEngine:
         the budget can differ)."""
         return _VLLMStream(self, params, seed, max_new_tokens)
 
-    def _sample_turn(self, active: list[Episode], budget: list, params: SamplingParams, seed: int) -> None:
+    def _sample_turn(self, active: list[RolloutState], budget: list, params: SamplingParams, seed: int) -> None:
         """One assistant turn for every open episode, in one batched ``LLM.generate`` call."""
         from vllm import SamplingParams as VSampling
         from vllm.inputs import TokensPrompt
@@ -211,5 +211,5 @@ class _VLLMStream(RolloutStream):
         super().__init__(engine.renderer, params, max_new_tokens, engine.stats)
         self.engine, self.seed = engine, int(seed)
 
-    def _sample_turn(self, active: list[Episode], budget: list) -> None:
+    def _sample_turn(self, active: list[RolloutState], budget: list) -> None:
         self.engine._sample_turn(active, budget, self.params, self.seed)

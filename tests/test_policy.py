@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from policy import engine, kvcache, sampling
-from policy.engine import (EngineStats, Episode, RolloutRequest, SamplingParams, TransformersEngine, _Chunk,
+from policy.engine import (EngineStats, RolloutState, RolloutRequest, SamplingParams, TransformersEngine, _Chunk,
                            run_episodes, sample_tokens)
 from policy.sampling import draw_tokens
 from policy.model import build_tiny_model, load_policy, save_policy
@@ -310,7 +310,7 @@ def _reference_generate(model, renderer, requests, params, seed, batch_size, max
     engine shares, ``run_episodes``. ``draws`` collects the draws of the rows still in their turn, as
     :func:`_recorded` does the engine's."""
     gen = torch.Generator().manual_seed(seed)
-    episodes = [Episode(q, renderer) for q in requests]
+    episodes = [RolloutState(q, renderer) for q in requests]
     chunks = [episodes[i:i + batch_size] for i in range(0, len(episodes), batch_size)]
     eot, vocab = renderer.end_of_turn, model.config.vocab_size
 
@@ -605,9 +605,9 @@ def test_joined_rows_get_the_next_token_logits_they_get_alone(tok, model, monkey
         return ch
 
     with torch.no_grad():
-        ch = fed([Episode(q, r) for q in _wave("plain", 5)])
+        ch = fed([RolloutState(q, r) for q in _wave("plain", 5)])
         n = ch.attn.shape[1]
-        assert ch.join([Episode(q, r) for q in _wave("guided", 4, 5)]) and len(ch.eps) == 9
+        assert ch.join([RolloutState(q, r) for q in _wave("guided", 4, 5)]) and len(ch.eps) == 9
         prompts = [len(e.context()) for e in ch.eps[5:]]
         assert (max(prompts) - 1 <= n) == long_cache
         if prefill:
@@ -616,8 +616,8 @@ def test_joined_rows_get_the_next_token_logits_they_get_alone(tok, model, monkey
             n = ch.attn.shape[1]
         got = eng._feed_pending(ch, "cpu", 4)
         assert ch.attn.shape[1] == n + (len(extra[-1]) if prefill else max(prompts))
-        want_old = eng._feed_pending(fed([Episode(q, r) for q in _wave("plain", 5)]), "cpu", 4)
-        want_new = eng._feed_pending(_Chunk([Episode(q, r) for q in _wave("guided", 4, 5)]), "cpu", 4)
+        want_old = eng._feed_pending(fed([RolloutState(q, r) for q in _wave("plain", 5)]), "cpu", 4)
+        want_new = eng._feed_pending(_Chunk([RolloutState(q, r) for q in _wave("guided", 4, 5)]), "cpu", 4)
     assert ch.roomy is not plain_cache
     torch.testing.assert_close(got[:5], want_old, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[5:], want_new, rtol=1e-5, atol=1e-5)

@@ -5,7 +5,7 @@ with the rest of a rail install: ``pip install --no-deps -r requirements-verl.tx
 
 * :class:`RailAgentLoop`, registered with verl's ``@register("rail_agent")``: one sample's multi-turn episode on
   verl's LLM server (token in, token out) with rail's environments, tool-call format and chat rendering
-  (``policy.engine.Episode``, the same episode rail's own engines step). A sample row carries its task
+  (``policy.engine.RolloutState``, the same episode rail's own engines step). A sample row carries its task
   (``rail_task``) and, for an intervened rollout, the plan to apply (``rail_plan``: the prefix of the failed rollout
   to branch from, the hint, plan or injected step, what :func:`rail.interventions.plan` made). The output strips
   the guidance as the TRL adapter does: ``prompt_ids`` is the unguided prompt, ``response_ids`` hold no guidance
@@ -35,7 +35,7 @@ from uuid import uuid4
 
 import numpy as np
 
-from policy.engine import Episode, RolloutRequest
+from policy.engine import RolloutRequest, RolloutState
 from policy.fileio import write_text_atomic
 from policy.records import Guidance, Origin, Trajectory
 from policy.tokenizer import ChatRenderer
@@ -137,10 +137,10 @@ Turn = Callable[[list[int]], Awaitable[tuple[list[int], list[float] | None]]]
 
 
 async def run_episode(req: RolloutRequest, renderer: ChatRenderer, generate: Turn, max_turns: int) -> Trajectory:
-    """One request's episode, turn by turn on ``generate``: rail's :class:`~policy.engine.Episode` (prompt, copied
+    """One request's episode, turn by turn on ``generate``: rail's :class:`~policy.engine.RolloutState` (prompt, copied
     prefix, guidance, an injected step, tool execution) with the turns sampled elsewhere. A turn the server cut
     before the end-of-turn token is closed with an untrained one, as rail's engine does."""
-    ep, eot, clock = Episode(req, renderer), renderer.end_of_turn, [0.0]
+    ep, eot, clock = RolloutState(req, renderer), renderer.end_of_turn, [0.0]
     ep.inject(renderer, max_turns, clock)
     while not ep.finished:
         ids, lps = await generate(ep.context())
