@@ -332,7 +332,7 @@ class Rounds:
                     self._fills.append((gen, -1, float(len(fill))))
                     yield Start(gen)
             return
-        n_full, rest = divmod(int(spare // self.per_rollout), self.g)
+        n_full, rest = divmod(max(0, int(spare // self.per_rollout)), self.g)
         if not final or self.budget.unit == "tokens":
             rest = 0
         if n_full == 0 and rest < 2:
