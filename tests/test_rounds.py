@@ -54,7 +54,8 @@ def _solved(env, task, renderer, group: int):
 
 def _groups(world):
     """Five groups of two base rollouts: failures at the second call, one at the first (no ``before`` branch),
-    one group with a success, one whose capacity holds a single rung."""
+    one group with a success, one whose capacity holds a single rung; group 4's wrong relation happens to reach
+    the right entity, so it is solved."""
     env, r, tasks = world
     groups = []
     for i, task in enumerate(tasks):
@@ -192,3 +193,40 @@ def test_rounds_never_exceed_the_budget_or_a_groups_capacity(world):
     assert all(len(g.trajectories) == g.n_base + g.capacity for g in groups)  # every free slot, no more
     assert all(g.spent <= g.capacity for g in groups)
     assert [c.key[0] for c in calls][-1] == "fill" and {c.key[0] for c in calls[:-1]} == {"round"}
+
+
+def test_a_one_round_controllers_fill_runs_in_its_rounds_batch(world):
+    """rti decides once, so nothing is reserved for later rounds: the fresh groups the rest of the budget buys start
+    beside its round, and a synchronous driver generates both in one call; the budget is spent exactly."""
+    env, renderer, _ = world
+    cfg = _cfg("rti")
+    groups = _groups(world)
+    tasks = [("lookup", g.task) for g in groups]
+    ctl = CONTROLLERS["rti"](config=cfg)
+    ctl.begin_step(1, np.random.default_rng(0))
+    budget = StepBudget("rollouts", 40)
+    calls = []
+
+    def new_tasks(n, key):
+        return [("lookup", groups[0].task)] * n
+
+    def generate(gen):
+        calls.append((gen.key, len(gen.requests)))
+        out = []
+        for req in gen.requests:
+            tr = copy.copy(groups[0].base[-1])
+            tr.group, tr.reward = req.group, 0.0
+            out.append(tr)
+        return out
+
+    def requests(idx, k):
+        from policy.engine import RolloutRequest
+        return [RolloutRequest(task=tasks[i][1], env=None, system="", group=i) for i in idx for _ in range(k)]
+
+    rounds = Rounds(ctl, groups, tasks, make_menu(cfg, {"lookup": env}, {"lookup": ToolRunner(env)}), budget,
+                    max_rounds=8, group_size=8, base_requests=requests, new_tasks=new_tasks)
+    ran = drive(rounds.protocol(), generate)
+    hints = sum(len(o.trajectories) for o in ran)
+    assert hints == 4 * 2  # groups 0 and 1: rti_how_many = 4 each (2 and 4 have successes, 3 too little capacity)
+    assert calls == [(("round", 0), hints + 32)]  # the 32 left: four fresh groups of 8, beside the round
+    assert budget.remaining == 0 and budget.spent["base"] == 32 and len(groups) == 5 + 4
