@@ -4,8 +4,8 @@
 # split into generate / score / controller / update, and step_rollouts_over_one_batch: the wall time of all of a
 # step's rollouts (base, rounds, fill) over that of the same number of fresh rollouts in one batch.
 # Run: .venv/bin/python experiments/bench_rollout.py [--batch 64 128 256] [--steps 5] [--repeats 5]
-#      .venv/bin/python experiments/bench_rollout.py --only-step --steps 10 [--step-engine vllm] \
-#          [--model runs/x/checkpoints/step_000100/model --tool-format builtin]  (a step's rollouts, one model)
+#      .venv/bin/python experiments/bench_rollout.py --only-step --steps 10 [--step-engine vllm] [--set controller.max_rounds=2] \
+#          [--model .cache/rail/warmstart/<key> --tool-format builtin]  (a step's rollouts, one warm-started model)
 #      .venv/bin/python experiments/bench_rollout.py --skip-train --threads 1 --clock cpu --repeats 5  (shared machine)
 #      .venv/bin/python experiments/bench_rollout.py --engine transformers vllm --batch 64 128 --skip-train
 #      .venv/bin/python experiments/make_tiny_model.py /tmp/qwen75m --hidden 768 --layers 12 --heads 12 \
@@ -27,7 +27,7 @@ import torch
 
 from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
 from policy.tokenizer import ChatRenderer
-from rail.config import build_config, validate
+from rail.config import build_config, parse_set, validate
 from rail.envs import ToolRunner, make_env
 from rail.policy_setup import make_policy
 
@@ -119,6 +119,8 @@ def main() -> None:
                     help="only the training steps: their time split and step_rollouts_over_one_batch")
     ap.add_argument("--step-engine", default="transformers", choices=["transformers", "vllm"],
                     help="rollout.engine of the training steps")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a config field, as rail train's --set (e.g. controller.max_rounds=2)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1,
                     help="time the transformers engine and the raw decode this many times, alternately, and "
@@ -138,7 +140,7 @@ def main() -> None:
         levels = list(range(1, max(2, a.max_turns)))
         sets.append({"rollout": {"max_turns": a.max_turns}, "env": {"levels": levels}, "eval": {"levels": levels},
                      "warmstart": {"levels": levels, "guided_levels": []}})
-    cfg = build_config("default", sets=sets)
+    cfg = build_config("default", sets=sets + [parse_set(x) for x in a.sets])
     validate(cfg)
     envs = {f: make_env(f, cfg.env.seed) for f in cfg.env.families}
     model, tok, _ = make_policy(cfg, envs)
