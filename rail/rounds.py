@@ -31,7 +31,8 @@ from typing import Any, Awaitable, Callable, Generator, Sequence
 
 import numpy as np
 
-from policy.records import Status, zero_variance
+from policy.records import RolloutRequest, Status, zero_variance
+from rail.budget import cost_of
 from rail.envs import rubric_status, safe_reward
 from rail.interventions import Intervention
 
@@ -56,6 +57,13 @@ def score(trajs, tasks, envs, on_error=None) -> None:
         if why is not None and on_error is not None:
             on_error(fam, task, why)
         tr.rubric = rubric_status(env, task, tr.steps)
+
+
+def unguided_requests(tasks: Sequence, groups: Sequence[int], k: int, envs: dict, runners: dict) -> list:
+    """``k`` unguided rollout requests for each group index in ``groups`` (``tasks[i]`` is its (family, task)):
+    base groups, fresh groups and the fill, for rail's loop and the adapters alike."""
+    return [RolloutRequest(task=tasks[i][1], env=runners[tasks[i][0]], system=envs[tasks[i][0]].system_prompt(),
+                           group=i) for i in groups for _ in range(k)]
 
 
 # ---------------------------------------------------------------------------------------------- the records
@@ -298,8 +306,6 @@ class Rounds:
         return requests, owners
 
     def _charge(self, kind: str, trajs: list) -> None:
-        from rail.budget import cost_of
-
         self.budget.charge(kind, cost_of(trajs, self.budget.unit))
         self.trajectories += trajs
 

@@ -32,7 +32,7 @@ from controller.traces import TraceError
 from policy.checkpoint import (CheckpointError, find_checkpoint, load_optimizer_state, remove_stale_temps,
                                save_checkpoint, verify_checkpoint)
 from policy.fileio import write_text_atomic
-from policy.engine import RolloutRequest, SamplingParams
+from policy.engine import SamplingParams
 from policy.learner import GRPOLearner, LearnerSettings
 from policy.model import count_parameters, load_policy, resolve_device
 from policy.tokenizer import ChatRenderer
@@ -43,8 +43,8 @@ from rail.engines import close_engine, make_engine
 from rail.envs import ToolRunner, make_envs
 from rail.evaluate import eval_metrics, evaluate, mean_over, overall, task_counts
 from rail.policy_setup import RehearsalSource, make_policy
-from rail.rounds import (Generation, Rounds, Start, Wait, derive_seed, drive, drive_stream, intervention_metrics,
-                         intervention_summary, make_group, make_menu, score)
+from rail.rounds import (Generation, Rounds, Start, Wait, derive_seed, drive_stream, intervention_metrics,
+                         intervention_summary, make_group, make_menu, score, unguided_requests)
 from rail.rundir import PARTIAL, RunError, RunLock, clear_partial, has_checkpoint, is_run_config, make_out
 from rail.settings import settings_from
 from rail.tracking import JsonlTracker, MlflowTracker, MultiTracker, NullTracker
@@ -242,22 +242,10 @@ class Trainer:
 
         score(trajs, tasks, self.envs, said)
 
-    def _requests(self, tasks, groups, k: int) -> list[RolloutRequest]:
-        """``k`` unguided rollouts of each group index in ``groups``."""
-        return [RolloutRequest(task=tasks[i][1], env=self.runners[tasks[i][0]],
-                               system=self.envs[tasks[i][0]].system_prompt(), group=i) for i in groups for _ in range(k)]
-
-    def _generate(self, requests, seed: int, budget) -> list:
-        cap = budget.remaining if self.cfg.budget.unit == "tokens" else None
-        return self.engine.generate(requests, self.params, seed=seed, max_new_tokens=cap)
-
-    #: a generation's key (rail.rounds.Generation.key) -> the stream of its seed, (run.seed, step, *stream)
-    SEED_STREAMS = {"round": 5, "refill": 5, "fill": 6}
-
     def step(self, step: int) -> dict[str, float]:
         """One training step (module docstring). Its rollouts — base groups, the controller's rounds, the fill —
-        run in one rollout stream when the engine has one: the base batch first, then each round's interventions
-        and the fill join the running batch as soon as they are decided (:func:`rail.rounds.drive_stream`)."""
+        run in one rollout stream: the base batch first, then each round's interventions and the fill join the
+        running batch as soon as they are decided (:func:`rail.rounds.drive_stream`)."""
         cfg, g = self.cfg, self.cfg.budget.group_size
         self._step_errors = {"reward": 0, "tool": 0}
         budget = self.ledger.open_step()
@@ -265,40 +253,25 @@ class Trainer:
         per_rollout = self.state.tokens_per_rollout or cfg.max_rollout_tokens / 4
         n_groups = self.controller.plan_base(budget.limit, g, cfg.budget.unit, tokens_per_rollout=per_rollout)
         tasks = self._sample_tasks(step, n_groups)
-        base = self._requests(tasks, range(n_groups), g)
-        seed = derive_seed(cfg.run.seed, step, 2)
-        stream = None
-        if hasattr(self.engine, "stream"):
-            cap = budget.remaining if cfg.budget.unit == "tokens" else None
-            stream = self.engine.stream(self.params, seed, max_new_tokens=cap)
-            trajs = drive_stream(_one(base), stream, lambda ended: None)
-        else:
-            trajs = self._generate(base, seed, budget)
-        budget.charge("base", cost_of(trajs, cfg.budget.unit))
-        t_gen = time.perf_counter() - t
+        requests = lambda idx, k: unguided_requests(tasks, idx, k, self.envs, self.runners)  # noqa: E731
+        cap = budget.remaining if cfg.budget.unit == "tokens" else None
+        with self.engine.stream(self.params, derive_seed(cfg.run.seed, step, 2), max_new_tokens=cap) as stream:
+            trajs = drive_stream(_one(requests(range(n_groups), g)), stream, lambda ended: None)
+            budget.charge("base", cost_of(trajs, cfg.budget.unit))
+            t_gen = time.perf_counter() - t
 
-        t = time.perf_counter()
-        self._score(trajs, tasks)
-        t_score = time.perf_counter() - t
+            t = time.perf_counter()
+            self._score(trajs, tasks)
+            t_score = time.perf_counter() - t
 
-        t = time.perf_counter()
-        groups = [make_group(i, fam, task, trajs) for i, (fam, task) in enumerate(tasks)]
-        self.controller.begin_step(step, np.random.default_rng([cfg.run.seed, step, 4]))
-        rounds = Rounds(self.controller, groups, tasks, make_menu(cfg, self.envs, self.runners, per_rollout), budget,
-                        max_rounds=cfg.controller.max_rounds, group_size=g,
-                        base_requests=lambda idx, k: self._requests(tasks, idx, k),
-                        new_tasks=lambda n, stream: self._sample_tasks(step, n, stream), tokens_per_rollout=per_rollout)
-        if stream is not None:
-            with stream:
-                outcomes = drive_stream(rounds.protocol(), stream, lambda ended: self._score(ended, tasks))
-        else:
-            def generate(gen: Generation) -> list:
-                out = self._generate(gen.requests, derive_seed(cfg.run.seed, step, self.SEED_STREAMS[gen.key[0]],
-                                                               *gen.key[1:]), budget)
-                self._score(out, tasks)
-                return out
-
-            outcomes = drive(rounds.protocol(), generate)
+            t = time.perf_counter()
+            groups = [make_group(i, fam, task, trajs) for i, (fam, task) in enumerate(tasks)]
+            self.controller.begin_step(step, np.random.default_rng([cfg.run.seed, step, 4]))
+            rounds = Rounds(self.controller, groups, tasks, make_menu(cfg, self.envs, self.runners, per_rollout),
+                            budget, max_rounds=cfg.controller.max_rounds, group_size=g, base_requests=requests,
+                            new_tasks=lambda n, stream: self._sample_tasks(step, n, stream),
+                            tokens_per_rollout=per_rollout)
+            outcomes = drive_stream(rounds.protocol(), stream, lambda ended: self._score(ended, tasks))
         all_trajs = trajs + rounds.trajectories
         t_rollouts = time.perf_counter() - t0  # every rollout of the step: base, rounds and fill, scored
         t_ctl = time.perf_counter() - t  # includes the interventions' generation; time/controller_s is the total

@@ -32,7 +32,8 @@ from rail.budget import StepBudget
 from rail.config import Config, ConfigError, validate
 from rail.controllers import CONTROLLERS, compose_of
 from rail.envs import ToolRunner, make_envs
-from rail.rounds import Group, Outcome, Rounds, adrive, intervention_metrics, intervention_summary, make_group, make_menu
+from rail.rounds import (Group, Outcome, Rounds, adrive, intervention_metrics, intervention_summary, make_group,
+                         make_menu, unguided_requests)
 
 #: controllers whose decisions need groups of their own (dapo's refills) or untrained probes (actguide's search)
 UNSUPPORTED = {"dapo": "its refills are fresh groups", "actguide": "its plan-length probes are not trained"}
@@ -90,11 +91,9 @@ class Slots:
         share = 1.0 if self.cfg.controller.name == "none" else self.cfg.controller.base_share
         return min(self.g, max(1, round(self.g * share)))
 
-    def requests(self, tasks: Sequence[tuple[str, object]], groups: Sequence[int], k: int) -> list[RolloutRequest]:
+    def requests(self, tasks: Sequence[tuple[str, object]], groups: Sequence[int], k: int) -> list:
         """``k`` unguided rollouts of each group index in ``groups``."""
-        return [RolloutRequest(task=tasks[i][1], env=self.runners[tasks[i][0]],
-                               system=self.envs[tasks[i][0]].system_prompt(), group=i)
-                for i in groups for _ in range(k)]
+        return unguided_requests(tasks, groups, k, self.envs, self.runners)
 
     async def step(self, tasks: Sequence[tuple[str, object]], step: int, total_steps: int, seed: int,
                    generate: Generate) -> tuple[list[Group], list[Outcome], list[list]]:
