@@ -141,11 +141,13 @@ class SessionSettings:
 
 def branch_source(rollouts: Sequence[Rollout]) -> int | None:
     """The failed rollout an intervention branches from: most rubric progress, then latest violation, then the
-    lowest index; None when no failed rollout violated a rubric item."""
-    failed = [i for i, r in enumerate(rollouts) if not r.success and r.violated_item is not None]
+    lowest index; None when no failed rollout violated a rubric item. On a task without a rubric (no progress
+    recorded) every failed rollout can be a source: the highest reward, then the lowest index."""
+    failed = [i for i, r in enumerate(rollouts) if not r.success and (r.violated_item is not None or r.progress is None)]
     if not failed:
         return None
-    return max(failed, key=lambda i: (rollouts[i].progress or 0.0, rollouts[i].violated_turn or 0, -i))
+    return max(failed, key=lambda i: (rollouts[i].reward if rollouts[i].progress is None else rollouts[i].progress or 0.0,
+                                      rollouts[i].violated_turn or 0, -i))
 
 
 class _GroupState:

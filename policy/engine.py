@@ -86,7 +86,7 @@ class RolloutState:
         self.traj = Trajectory(
             task_id=task.id, family=task.family, level=task.level, group=req.group,
             prompt_ids=prompt, train_prompt_ids=train_prompt, intervention=req.intervention,
-            guidance=None if g.is_empty() else g,
+            guidance=None if g.is_empty() else g, temperature=req.temperature,
         )
         self.finished = False
         self.pending_text = ""  # the text of the turn just sampled, for the environment to execute
@@ -549,6 +549,10 @@ class TransformersEngine:
         alive = torch.ones(B, dtype=torch.bool)  # rows still sampling their turn
         cut = torch.zeros(B, dtype=torch.bool)  # rows the token budget stopped mid-turn
         fed = torch.tensor(ch.fed)
+        temps = None  # per-row temperatures, where some request carries its own
+        if any(e.req.temperature not in (None, params.temperature) for e in eps):
+            temps = torch.tensor([params.temperature if e.req.temperature is None else e.req.temperature
+                                  for e in eps], dtype=torch.float32)
         toks, lps, live = [], [], []  # per decode step: (B,) tokens, log-probs, rows that sampled
         eot, pad = self.renderer.end_of_turn, self.renderer.pad
         sub, rows = None, None  # the split-off rows the decode steps run on, if any
@@ -565,7 +569,8 @@ class TransformersEngine:
                 x = logits if n_alive == B else logits[at.to(logits.device)]
             else:
                 x = logits[torch.searchsorted(logit_rows, at).to(logits.device)]
-            tok_at, lp_at = sample_tokens(x, params.temperature, params.top_p, gen, at, B)
+            tok_at, lp_at = sample_tokens(x, params.temperature if temps is None else temps[at], params.top_p, gen,
+                                          at, B)
             tok, lp = torch.full((B,), pad), torch.zeros(B)
             tok[at], lp[at] = tok_at.cpu(), lp_at.cpu()
             toks.append(tok), lps.append(lp), live.append(alive)

@@ -104,6 +104,7 @@ class Trajectory:
     rubric: Any = None  # rail.envs.RubricStatus
     intervention: dict | None = None  # what was done to it (None for a base rollout)
     guidance: Guidance | None = None
+    temperature: float | None = None  # sampled at this temperature (None: the sampling parameters' own)
     shift: float | None = None  # shift measure (mean log-ratio guided vs stripped context), if measured
     status: Status = Status.UNSET  # what the learner did with it (policy.learner.assign_status sets it)
     keep_guidance: bool = False  # train in the context it was sampled in, guidance included (a guided replay)
@@ -197,3 +198,4 @@ class RolloutRequest:
     prefix_turns: int = 0
     guidance: Guidance | None = None
     intervention: dict | None = None
+    temperature: float | None = None  # sample this rollout at its own temperature (None: the sampling parameters')

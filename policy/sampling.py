@@ -12,20 +12,26 @@ import torch
 
 
 def sample_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
+    logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float, generator: torch.Generator,
     rows: torch.Tensor | None = None, batch: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (tokens (B,), behaviour log-probs (B,)).
 
     The recorded log-prob is log softmax(logits / T) of the sampled token (T = 1 when greedy), i.e. the
-    distribution the learner recomputes; top-p only restricts which tokens can be drawn. With ``rows``, the
-    logits are those rows (indices) of a batch of ``batch`` rows whose other rows need no token: the generator
-    draws as for the whole batch, so each row gets the token that sampling every row would give it.
+    distribution it was drawn from; top-p only restricts which tokens can be drawn. ``temperature`` is one value,
+    or one per row (a ``(B,)`` tensor of positive values: requests sampled at their own temperature). With
+    ``rows``, the logits are those rows (indices) of a batch of ``batch`` rows whose other rows need no token:
+    the generator draws as for the whole batch, so each row gets the token that sampling every row would give it.
     """
     logits = logits.float()  # (B, V)
-    t = temperature if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits / t, dim=-1)  # (B, V)
-    if temperature <= 0:
+    if isinstance(temperature, torch.Tensor):
+        if not bool((temperature > 0).all()):
+            raise ValueError("per-row temperatures must be > 0 (greedy decoding is one temperature for the batch)")
+        logp = torch.log_softmax(logits / temperature.to(logits.device, torch.float32)[:, None], dim=-1)
+    else:
+        t = temperature if temperature > 0 else 1.0
+        logp = torch.log_softmax(logits / t, dim=-1)  # (B, V)
+    if not isinstance(temperature, torch.Tensor) and temperature <= 0:
         tok = logp.argmax(dim=-1)
     else:
         probs = logp.exp()

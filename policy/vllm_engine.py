@@ -154,7 +154,8 @@ class VLLMEngine:
             if room <= 0:
                 continue
             prompts.append(TokensPrompt(prompt_token_ids=ctx))
-            sampling.append(VSampling(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=room,
+            temp = params.temperature if e.req.temperature is None else e.req.temperature
+            sampling.append(VSampling(n=1, temperature=temp, top_p=params.top_p, max_tokens=room,
                                       stop_token_ids=[eot], logprobs=0, detokenize=False,
                                       seed=_request_seed(seed, e.handle, e.traj.n_turns)))
         outs = iter(self.llm.generate(prompts, sampling, use_tqdm=False) if prompts else [])

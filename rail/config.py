@@ -144,6 +144,7 @@ class ControllerConfig:
                          "guided_step@violation"],
                         "The interventions (how@where) random and learned controllers choose from.")
     how_many: list[int] = F([2, 4], "Intervention rollouts an intervention of the menu may spend.")
+    temperatures: list[float] = F([], "Decoding temperatures an intervention's rollouts may be sampled at (RAIL's decoding regime): every menu entry is offered at each, like each size (empty: the rollout temperature only). A menu or ladder entry how@where:T names its own.")
     rti_how_many: int = F(4, "rti: hinted rollouts per failed group.")
     ladder: list[str] = F(SETTING, "ladder: the rungs, cheapest first.")
     ladder_how_many: int = F(2, "ladder: rollouts per rung.")
@@ -485,17 +486,23 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"controller.base_share = {c.base_share}: must be in (0, 1]")
     from rail.interventions import Intervention
     for key, items in (("controller.menu", c.menu), ("controller.ladder", c.ladder)):
-        for item in items:
+        for i, item in enumerate(items):
             try:
-                Intervention.parse(item, 1)
+                items[i] = Intervention.parse(item, 1).key  # one spelling: how@where[:T], T as rail writes it
             except ValueError as e:
                 raise ConfigError(f"{key}: {item!r}: {e}; write how@where, e.g. rubric_hint@violation") from None
+    if any(not t > 0 for t in c.temperatures):
+        raise ConfigError(f"controller.temperatures = {c.temperatures}: temperatures must be > 0")
+    if c.temperatures and not r.temperature > 0:
+        raise ConfigError("controller.temperatures needs sampled rollouts: rollout.temperature must be > 0")
     if c.name == "rail" and c.shadow == "ladder":  # the heuristic it shadows must be among the bandit's actions
-        on_menu = {Intervention.parse(m, 1).key for m in c.menu}
-        off = [r for r in c.ladder if Intervention.parse(r, 1).key not in on_menu]
+        from rail.interventions import menu_items
+        on_menu = {iv.key for iv in menu_items(c.menu, [1], c.temperatures, r.temperature)}
+        off = [k for k in c.ladder if k not in on_menu]
         if off:
-            raise ConfigError(f"controller.ladder: {', '.join(off)} not in controller.menu; the learned controller "
-                              f"shadows ladder only over interventions it can choose itself: add them to the menu")
+            raise ConfigError(f"controller.ladder: {', '.join(off)} not in controller.menu (at controller.temperatures); "
+                              f"the learned controller shadows ladder only over interventions it can choose itself: "
+                              f"add them to the menu, or the rollout temperature to controller.temperatures")
     if not c.how_many or any(k < 1 for k in c.how_many):
         raise ConfigError(f"controller.how_many = {c.how_many}: must be a non-empty list of counts >= 1")
     if c.name == "rail":  # the heuristic it shadows acts at its own size, which must be one of the bandit's

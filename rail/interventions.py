@@ -13,7 +13,10 @@ each comes from):
   the environment; the policy continues.
 
 Branch points (``where``): ``start`` (turn 0), ``violation`` (the turn at which the source trajectory first
-violated a rubric item) or ``before`` (one turn earlier). The source is the group's failed trajectory with the
+violated a rubric item), ``before`` (one turn earlier) or ``entropy`` (the source's most uncertain turn: the one
+whose sampled tokens have the highest mean surprisal, RAIL's high-entropy branch point; it needs no rubric).
+An intervention's rollouts may be sampled at their own decoding ``temperature`` (RAIL's decoding regime; None:
+the rollout temperature). The source is the group's failed trajectory with the
 most rubric progress (ties: the one that violated latest, then the lowest index), so a branch keeps the most
 correct work. Every intervened trajectory carries ``Trajectory.intervention``: what was done to it.
 
@@ -26,10 +29,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from controller import Rollout, branch_source
-from policy.records import Guidance, RolloutRequest, Trajectory
+from policy.records import Guidance, Origin, RolloutRequest, Trajectory
 
 HOWS = ("resample", "rubric_hint", "action_guide", "guided_step")
-WHERES = ("start", "violation", "before")
+WHERES = ("start", "violation", "before", "entropy")
+#: the operators that need the source's first violated rubric item (what to hint, which step to write)
+NEEDS_ITEM = ("rubric_hint", "guided_step")
 #: Words guidance text uses besides the environments' own; part of the policy's vocabulary.
 GUIDANCE_WORDS = ("plan", ":", ";")
 
@@ -37,12 +42,14 @@ GUIDANCE_WORDS = ("plan", ":", ";")
 @dataclass(frozen=True)
 class Intervention:
     """One operator variant. ``plan_len`` (``action_guide`` only): reference actions listed, 0 = up to and
-    including the violated item."""
+    including the violated item. ``temperature``: the decoding temperature of its rollouts (None: the rollout
+    temperature)."""
 
     how: str
     where: str
     how_many: int
     plan_len: int = 0
+    temperature: float | None = None
 
     def __post_init__(self):
         if self.how not in HOWS:
@@ -51,11 +58,13 @@ class Intervention:
             raise ValueError(f"unknown branch point {self.where!r}; one of {', '.join(WHERES)}")
         if self.how_many < 1:
             raise ValueError(f"how_many must be >= 1, got {self.how_many}")
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"an intervention's temperature must be > 0, got {self.temperature}")
 
     @property
     def key(self) -> str:
-        """``how@where``: the name metrics are grouped under."""
-        return f"{self.how}@{self.where}"
+        """``how@where`` (``how@where:T`` at a temperature of its own): the name metrics and rungs go by."""
+        return f"{self.how}@{self.where}" + ("" if self.temperature is None else f":{self.temperature:g}")
 
     @property
     def name(self) -> str:
@@ -63,20 +72,49 @@ class Intervention:
         return f"{self.key}x{self.how_many}{plan}"
 
     def to_dict(self) -> dict:
-        return {"how": self.how, "where": self.where, "how_many": self.how_many, "plan_len": self.plan_len}
+        return {"how": self.how, "where": self.where, "how_many": self.how_many, "plan_len": self.plan_len,
+                "temperature": self.temperature}
 
     @classmethod
-    def parse(cls, text: str, how_many: int) -> "Intervention":
-        """``how@where`` (as in config lists) -> an Intervention with ``how_many`` rollouts."""
-        how, _, where = text.partition("@")
-        return cls(how.strip(), (where or "violation").strip(), how_many)
+    def parse(cls, text: str, how_many: int, temperature: float | None = None) -> "Intervention":
+        """``how@where`` or ``how@where:T`` (as in config lists) -> an Intervention with ``how_many`` rollouts,
+        at temperature ``T`` (else ``temperature``; None: the rollout temperature)."""
+        how, _, rest = text.partition("@")
+        where, colon, temp = rest.partition(":")
+        if colon:
+            try:
+                temperature = float(temp)
+            except ValueError:
+                raise ValueError(f"{text!r}: the temperature after ':' must be a number, e.g. resample@entropy:1.2")
+        return cls(how.strip(), (where or "violation").strip(), how_many, temperature=temperature)
+
+    def at(self, temperature: float | None) -> "Intervention":
+        """The same operator variant at another temperature."""
+        return Intervention(self.how, self.where, self.how_many, self.plan_len, temperature)
 
     def features(self) -> dict[str, float]:
-        """Action features for a contextual bandit: one-hot components and the size."""
+        """Action features for a contextual bandit: one-hot components, the size, and the temperature where it
+        has its own."""
         f = {f"how={self.how}": 1.0, f"where={self.where}": 1.0, "how_many": float(self.how_many)}
         if self.how == "action_guide":
             f["plan_len"] = float(self.plan_len)
+        if self.temperature is not None:
+            f["temperature"] = float(self.temperature)
         return f
+
+
+def menu_items(menu: Sequence[str], how_many: Sequence[int], temperatures: Sequence[float] = (),
+               rollout_temperature: float | None = None) -> list[Intervention]:
+    """The actions of a menu: each ``how@where`` entry at each size and each temperature (an entry
+    ``how@where:T`` at its own only). A temperature equal to the rollout temperature is the rollout temperature
+    (None), so that the plain entries the fixed controllers use are among the actions."""
+    temps = list(dict.fromkeys(None if t == rollout_temperature else float(t) for t in temperatures)) or [None]
+    out = []
+    for m in menu:
+        for k in how_many:
+            iv = Intervention.parse(m, k)
+            out.extend([iv] if iv.temperature is not None else [iv.at(t) for t in temps])
+    return out
 
 
 @dataclass
@@ -87,7 +125,7 @@ class Plan:
     intervention: Intervention
     source: int  # index, within the group's trajectories, of the trajectory it branches from
     branch_turn: int
-    item: int  # rubric item the help is about (the source's first violated item)
+    item: int | None  # rubric item the help is about (the source's first violated item; None without one)
     cost: int  # in budget units; rollouts: exact; tokens: an estimate (the actual spend is charged)
     requests: list[RolloutRequest]
     probe: bool = False  # probe rollouts are charged but not trained on (ActGuide's plan-length search)
@@ -101,6 +139,21 @@ def source_index(trajs: Sequence[Trajectory]) -> int | None:
                                   t.rubric.violated_turn) for t in trajs])
 
 
+def uncertain_turn(traj: Trajectory) -> int | None:
+    """The turn whose policy-sampled tokens have the highest mean surprisal (-log-prob of the sampled token under
+    the distribution it was drawn from: an unbiased estimate of that state's entropy) among the turns it executed;
+    the earliest on a tie. None without a sampled token."""
+    total: dict[int, float] = {}
+    count: dict[int, int] = {}
+    for o, lp, t in zip(traj.origin, traj.logprobs, traj.turn):
+        if o == Origin.POLICY and t < traj.n_turns:
+            total[t] = total.get(t, 0.0) - lp
+            count[t] = count.get(t, 0) + 1
+    if not total:
+        return None
+    return max(sorted(total), key=lambda t: total[t] / count[t])
+
+
 def branch_turn(traj: Trajectory, where: str) -> int | None:
     """The number of turns to keep from ``traj`` for a branch at ``where``; None when there is no such point.
 
@@ -108,6 +161,10 @@ def branch_turn(traj: Trajectory, where: str) -> int | None:
     """
     if where == "start":
         return 0
+    if where == "entropy":
+        return uncertain_turn(traj)  # every turn before the last executed one left the episode open
+    if traj.rubric is None:
+        return None
     t = traj.rubric.violated_turn
     if t is None:
         return None
@@ -158,7 +215,13 @@ def _branch(iv: Intervention, tr: Trajectory) -> int | None:
     t = branch_turn(tr, iv.where)
     if iv.how == "guided_step" and iv.where != "violation":
         return None  # the reference step for the violated item belongs at the violation, nowhere else
+    if _item(tr) is None and (iv.how in NEEDS_ITEM or (iv.how == "action_guide" and not iv.plan_len)):
+        return None  # no violated item to help with (a task without a rubric, or none violated)
     return t
+
+
+def _item(tr: Trajectory) -> int | None:
+    return None if tr.rubric is None else tr.rubric.first_violated
 
 
 def legal(group: Sequence[Trajectory], menu: Sequence[Intervention]) -> list[Intervention]:
@@ -192,7 +255,7 @@ def plan(intervention: Intervention, group_index: int, group: Sequence[Trajector
     t = _branch(iv, tr)
     if t is None:
         return None
-    item = tr.rubric.first_violated
+    item = _item(tr)
     guidance = None
     if iv.how == "rubric_hint":
         guidance = Guidance(hint=hint_text(task, item, env.inline))
@@ -204,7 +267,7 @@ def plan(intervention: Intervention, group_index: int, group: Sequence[Trajector
     record = {**iv.to_dict(), "key": iv.key, "source": src, "branch_turn": t, "item": item, "probe": probe}
     reqs = [RolloutRequest(task=task, env=env, system=system, group=group_index,
                            prefix=tr if t > 0 else None, prefix_turns=t, guidance=guidance,
-                           intervention=dict(record))
+                           intervention=dict(record), temperature=iv.temperature)
             for _ in range(iv.how_many)]
     if unit == "rollouts":
         cost = iv.how_many

@@ -156,13 +156,13 @@ class Menu:
 
 
 def make_menu(cfg: Any, envs: dict, runners: dict, tokens_per_rollout: float = 0.0) -> Menu:
-    """The configured menu (``controller.menu`` x ``controller.how_many``) priced by :func:`rail.interventions.plan`
+    """The configured menu (``controller.menu`` x ``controller.how_many`` x ``controller.temperatures``) priced by :func:`rail.interventions.plan`
     for the groups of one step; plans are cached per group, intervention and group size. ``tokens_per_rollout``
     prices a fresh base group in a token budget."""
     from rail import interventions
 
     c, unit = cfg.controller, cfg.budget.unit
-    items = [Intervention.parse(m, k) for m in c.menu for k in c.how_many]
+    items = interventions.menu_items(c.menu, c.how_many, c.temperatures, cfg.rollout.temperature)
     cache: dict = {}
 
     def plan_for(g: Group, iv: Intervention, probe: bool = False):

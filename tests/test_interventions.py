@@ -423,3 +423,54 @@ def test_rehearsal_source_is_guided_warm_start_levels_only_and_deterministic():
         text = r.tok.decode(t.prompt_ids + t.ids)
         assert "plan :" in text or text.count("<|im_start|> user") == 2, text  # guidance kept in the context
         assert t.reward == 1.0
+
+
+# ------------------------------------------------------------------ RAIL's action dimensions: entropy, temperature
+def _surprisal_by_turn(tr, per_turn: dict[int, float]):
+    """``tr`` with each policy token's behaviour log-prob set to ``-per_turn[turn]``: a known uncertainty per turn."""
+    tr.logprobs = [-per_turn.get(t, 0.0) if o == Origin.POLICY else 0.0 for o, t in zip(tr.origin, tr.turn)]
+    return tr
+
+
+def test_the_entropy_branch_point_is_the_most_uncertain_executed_turn(env, tok, task):
+    src = failed_at_second_call(env, task, ChatRenderer(tok))
+    assert src.n_turns >= 3
+    _surprisal_by_turn(src, {0: 0.1, 1: 0.2, 2: 1.5})
+    assert ivs.uncertain_turn(src) == 2
+    p = plan_for(Intervention("resample", "entropy", 2), src, task, env)
+    assert p.branch_turn == 2 and p.requests[0].prefix_turns == 2 and p.requests[0].prefix is src
+    _surprisal_by_turn(src, {0: 0.9, 1: 0.2, 2: 0.9})  # a tie goes to the earliest turn: a branch from the start
+    p = plan_for(Intervention("rubric_hint", "entropy", 2), src, task, env)
+    assert p.branch_turn == 0 and p.requests[0].prefix is None and p.item == 1
+    # it needs no rubric: without one, resampling and a fixed-length plan may branch there, a hint may not
+    src.rubric = None
+    _surprisal_by_turn(src, {0: 0.1, 1: 2.0})
+    assert plan_for(Intervention("resample", "entropy", 2), src, task, env).branch_turn == 1
+    assert plan_for(Intervention("action_guide", "entropy", 2, plan_len=1), src, task, env).item is None
+    for iv in (Intervention("rubric_hint", "entropy", 2), Intervention("action_guide", "entropy", 2),
+               Intervention("resample", "violation", 2)):
+        assert plan_for(iv, src, task, env) is None
+
+
+def test_an_interventions_temperature_is_part_of_the_action():
+    iv = Intervention.parse("resample@entropy:1.30", 2)
+    assert iv.temperature == 1.3 and iv.key == "resample@entropy:1.3" and iv.features()["temperature"] == 1.3
+    assert "temperature" not in Intervention.parse("resample@entropy", 2).features()
+    with pytest.raises(ValueError, match="temperature"):
+        Intervention.parse("resample@start:hot", 2)
+    with pytest.raises(ValueError, match="temperature"):
+        Intervention("resample", "start", 2, temperature=0.0)
+    items = ivs.menu_items(["resample@start", "rubric_hint@violation:0.5"], [2, 4], [0.7, 1.0, 1.3], 0.7)
+    # every plain entry at each size and temperature (the rollout's own as None); a named temperature only at its own
+    assert [iv.key for iv in items if iv.how_many == 2] == [
+        "resample@start", "resample@start:1", "resample@start:1.3", "rubric_hint@violation:0.5"]
+    assert len(items) == 8 and len({(iv.key, iv.how_many) for iv in items}) == 8
+    assert [iv.key for iv in ivs.menu_items(["resample@start"], [2], [], 0.7)] == ["resample@start"]
+
+
+def test_a_planned_temperature_reaches_the_requests_and_the_record(env, tok, task):
+    src = failed_at_second_call(env, task, ChatRenderer(tok))
+    p = plan_for(Intervention("rubric_hint", "violation", 3, temperature=1.3), src, task, env)
+    assert [r.temperature for r in p.requests] == [1.3] * 3
+    assert p.requests[0].intervention["temperature"] == 1.3 and p.requests[0].intervention["key"].endswith(":1.3")
+    assert plan_for(Intervention("rubric_hint", "violation", 3), src, task, env).requests[0].temperature is None

@@ -681,3 +681,28 @@ def test_stream_shares_its_token_budget_and_returns_each_episode_once(tok, model
         assert s.open == 0 and eng.stats.generated_tokens <= 60
     with pytest.raises(RuntimeError):
         s.add(_requests(1))
+
+
+def test_a_request_at_its_own_temperature_samples_from_that_distribution_and_changes_no_other_row(tok, model):
+    params = SamplingParams(temperature=1.0, max_tokens_per_turn=5, max_turns=3)
+    eng = TransformersEngine(model, ChatRenderer(tok), batch_size=8)
+    plain = eng.generate(_requests(4), params, seed=3)
+    reqs = _requests(4)
+    reqs[1].temperature, reqs[2].temperature = 0.3, 2.5
+    mixed = eng.generate(reqs, params, seed=3)
+    # the generator draws for every row alike: the rows at the batch's temperature sample what they sampled before
+    _assert_same_trajectories([plain[0], plain[3]], [mixed[0], mixed[3]])
+    assert [t.temperature for t in mixed] == [None, 0.3, 2.5, None]
+    # the others record the log-prob of the distribution they were drawn from: log softmax(logits / T)
+    for tr, temp in ((mixed[1], 0.3), (mixed[2], 2.5)):
+        ids = tr.prompt_ids + tr.ids
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+        n = len(tr.prompt_ids)
+        m = torch.tensor([o == Origin.POLICY for o in tr.origin], dtype=torch.bool)
+        for t, ok in ((temp, True), (1.0, False)):
+            ref = torch.log_softmax(logits / t, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+            assert bool(torch.allclose(ref[n - 1:][m], torch.tensor(tr.logprobs)[m], atol=1e-4)) == ok
+    with pytest.raises(ValueError, match="temperatures must be > 0"):
+        reqs[1].temperature = 0.0
+        eng.generate(reqs, params, seed=3)

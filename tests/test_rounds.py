@@ -73,16 +73,23 @@ def _cfg(name: str, **controller):
     return cfg
 
 
-@pytest.mark.parametrize("shadow", ["ladder", "rti"])
-def test_the_shadowed_heuristic_is_the_fixed_arm(world, shadow):
+#: a ladder over RAIL's own action dimensions: an entropy branch point and a decoding temperature of its own
+TEMPERED = {"temperatures": [0.7, 1.3], "menu": ["resample@entropy:1.3", "resample@violation", "rubric_hint@entropy",
+                                               "rubric_hint@violation"],
+            "ladder": ["resample@entropy:1.3", "resample@violation", "rubric_hint@violation:1.3"]}
+
+
+@pytest.mark.parametrize("shadow, extra", [("ladder", {}), ("rti", {}), ("ladder", TEMPERED)],
+                         ids=["ladder", "rti", "ladder-entropy-temperature"])
+def test_the_shadowed_heuristic_is_the_fixed_arm(world, shadow, extra):
     """Given the same groups and menu, round after round, the heuristic the learned controller shadows chooses
-    exactly what the ``ladder`` (``rti``) arm chooses: the same groups, operator, branch point and size. Every
-    intervention fails, except that group 0 succeeds in round 1, so later rounds ask fewer groups."""
+    exactly what the ``ladder`` (``rti``) arm chooses: the same groups, operator, branch point, temperature and size.
+    Every intervention fails, except that group 0 succeeds in round 1, so later rounds ask fewer groups."""
     env, renderer, _ = world
     envs, runners = {"lookup": env}, {"lookup": ToolRunner(env)}
-    arm_cfg = _cfg(shadow)
+    arm_cfg = _cfg(shadow, **extra)
     # heuristic_epsilon tiny: in shadow the heuristic itself acts, so both sides run the same interventions
-    rail_cfg = _cfg("rail", shadow=shadow, heuristic_epsilon=1e-9)
+    rail_cfg = _cfg("rail", shadow=shadow, heuristic_epsilon=1e-9, **extra)
     arm, rail = CONTROLLERS[shadow](config=arm_cfg), CONTROLLERS["rail"](config=rail_cfg, out=None)
     arm_groups, rail_groups = _groups(world), _groups(world)
     menu_a, menu_r = make_menu(arm_cfg, envs, runners), make_menu(rail_cfg, envs, runners)
@@ -114,7 +121,10 @@ def test_the_shadowed_heuristic_is_the_fixed_arm(world, shadow):
                 gs.interventions.append(c.option.key)
                 gs.spent += c.option.cost
             rail.session.ran(c.id, [Rollout(tr.reward, win)] * c.option.size, c.option.cost)
-    assert seen_rounds == (1 if shadow == "rti" else 4)  # rti: one hint; ladder: every rung once
+    assert seen_rounds == (1 if shadow == "rti" else len(arm_cfg.controller.ladder))  # rti: one hint; ladder: each rung
+    if extra:  # the rungs ran at their own temperatures, through the menu the learned controller chooses from
+        assert arm_groups[0].interventions[:2] == ["resample@entropy:1.3", "resample@violation"]
+        assert {iv.key for iv in menu_r.legal(rail_groups[0]) if iv.how_many == 2} >= set(extra["ladder"])
     assert len(arm_groups[3].interventions) == (0 if shadow == "rti" else 1)  # its capacity (2) held one rung of 2
     assert not arm_groups[2].interventions  # it had a success
     rail.session.end_step()

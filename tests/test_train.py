@@ -61,6 +61,9 @@ def test_bad_group_size_is_rejected_before_anything_runs(tmp_path):
     (["learner.rehearsal=-0.5"], "learner.rehearsal"),
     (["learner.rehearsal_batch=0"], "learner.rehearsal_batch"),
     (["controller.menu=['resample@start', 'rubric_hint@violation']"], "controller.ladder"),
+    (["controller.temperatures=[0.0]"], "controller.temperatures"),
+    (["controller.temperatures=[1.3]"], "controller.temperatures"),  # the shadowed ladder's rungs are off the menu
+    (["controller.menu=['resample@start:hot']"], "controller.menu"),
 ])
 def test_config_errors_name_the_field(sets, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):

@@ -142,6 +142,18 @@ def test_sampled_logprobs_agree_with_a_forward_pass(setup, engine):
     assert [t.ids for t in again] == [t.ids for t in trajs[:5]]
 
 
+def test_a_request_at_its_own_temperature_records_that_distributions_logprobs(setup, engine):
+    cfg, envs, model, renderer, _ = setup
+    reqs = _requests(setup, 8, seed=6)
+    for r in reqs[::2]:
+        r.temperature = 1.6
+    trajs = engine.generate(reqs, _params(cfg, 0.7), seed=3)
+    for tr, temp in zip(trajs, [1.6, 0.7] * 4):
+        assert tr.temperature == (1.6 if temp == 1.6 else None)
+        pairs = _forward_logprobs(model, tr, temp)
+        assert pairs and max(abs(a - b) for a, b in pairs) < LOGPROB_TOL
+
+
 def test_a_stream_samples_for_each_request_what_generate_samples_whichever_wave_added_it(setup, engine):
     """Requests added to a running stream after its first turn (their handles go on from the first wave's) sample
     the tokens ``generate`` gives the request at the same index: each vLLM request is seeded by (seed, index,
