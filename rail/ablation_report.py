@@ -228,6 +228,7 @@ def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
             "auc_beyond": _mean(r["auc_beyond"] for r in rs),
             "auc_beyond_ci": t_interval([r["auc_beyond"] for r in rs]),
             "budget_to_match_none": None,
+            "budget_to_match_none_beyond": None,
             "zero_variance_share": _mean(r["zero_variance_share"] for r in rs),
             "acceptance": _mean(r["acceptance"] for r in rs),
             "intervention_budget_share": _mean(r["intervention_budget_share"] for r in rs),
@@ -247,12 +248,10 @@ def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
             "_choices_series": ch,
         }
     target = arms.get("none", {}).get("final_easy")
+    target_beyond = arms.get("none", {}).get("final_beyond")
     for a in arms.values():
-        if target is None:
-            break
-        c = a["curve"]
-        a["budget_to_match_none"] = next((b for b, v in zip(c["budget_spent"], c["easy"])
-                                          if v is not None and v >= target - 1e-9), None)
+        a["budget_to_match_none"] = _budget_to_reach(a["curve"], "easy", target)
+        a["budget_to_match_none_beyond"] = _budget_to_reach(a["curve"], "beyond", target_beyond)
     failed = []
     for key, e in sorted((state.get("jobs") or {}).items()):
         if e.get("status") in ("failed", "interrupted"):
@@ -273,11 +272,20 @@ def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
         "eval_tasks_easy": _eval_tasks(any_run, "easy_levels"),
         "budget": {"unit": any_run["budget_unit"] if any_run else None, "per_arm": spent,
                    "equal": _equal([v for v in spent.values() if v is not None])},
-        "none_final_easy": target,
+        "none_final_easy": target, "none_final_beyond": target_beyond,
         "arms": arms, "failed": failed,
         "arms_missing": [a for a in (state.get("arms") or list(runs)) if a not in arms],
         "damaged": list(state.get("damaged", [])),
     }
+
+
+def _budget_to_reach(curve: dict, which: str, target: float | None) -> float | None:
+    """The budget spent at the first evaluation where the seed-mean ``which`` curve (``easy``, ``beyond``)
+    reaches ``target``; None when it never does or there is no target."""
+    if target is None or not math.isfinite(target):
+        return None
+    return next((b for b, v in zip(curve["budget_spent"], curve[which])
+                 if v is not None and math.isfinite(v) and v >= target - 1e-9), None)
 
 
 def _equal(values: list[float], rel: float = 0.01) -> bool:
@@ -355,7 +363,8 @@ def compare(rep: dict, learned: str = "rail") -> dict:
         out["text"] = ("No comparison: " + (f"no finished `{learned}` arm" if learned not in arms
                                              else "no finished fixed-controller arm" if not fixed
                                              else "no level beyond the boundary was evaluated (eval.levels)") + ".")
-        out.update(beats_all_mean=None, beats_all_ci=None, less_budget_than_all=None)
+        out.update(beats_all_mean=None, beats_all_ci=None, less_budget_than_all=None,
+                   less_budget_than_all_beyond=None)
         return out
     L = arms[learned]
     for f in fixed:
@@ -393,24 +402,28 @@ def compare(rep: dict, learned: str = "rail") -> dict:
         lines.append(f"Beyond-boundary success is near zero for every arm (highest {top:.3f}); one held-out task "
                      f"moves that rate by {one_task:.4f} ({rep['eval_tasks_beyond']} tasks per evaluation), so these "
                      "differences amount to a few tasks.")
-    # budget to reach the none arm's final easy success
-    need = {a: arms[a]["budget_to_match_none"] for a in [learned, *fixed] if a in arms}
-    if rep.get("none_final_easy") is not None:
+    # budget to reach the none arm's final success, on the easy levels and beyond the boundary
+    for which, field, target, flag in (
+            ("easy-level", "budget_to_match_none", rep.get("none_final_easy"), "less_budget_than_all"),
+            ("beyond-boundary", "budget_to_match_none_beyond", rep.get("none_final_beyond"),
+             "less_budget_than_all_beyond")):
+        out[flag] = None
+        if target is None or not math.isfinite(target):
+            continue
+        need = {a: arms[a].get(field) for a in [learned, *fixed] if a in arms}
         ln = need.get(learned)
         others = {f: need[f] for f in fixed if f != "none"}
         less = ln is not None and all(v is None or ln < v for v in others.values())
-        out["less_budget_than_all"] = less if others else None
+        out[flag] = less if others else None
         theirs = ", ".join(f"`{f}` {'never' if v is None else f'{v:.0f}'}" for f, v in others.items())
         if ln is None:
-            lines.append(f"`{learned}` never reached the `none` arm's final easy-level success "
-                         f"({rep['none_final_easy']:.3f}) at an evaluation" + (f" (the others: {theirs})." if theirs else "."))
+            lines.append(f"`{learned}` never reached the `none` arm's final {which} success "
+                         f"({target:.3f}) at an evaluation" + (f" (the others: {theirs})." if theirs else "."))
         else:
-            lines.append(f"`{learned}` first reached the `none` arm's final easy-level success "
-                         f"({rep['none_final_easy']:.3f}) after {ln:.0f} budget units"
+            lines.append(f"`{learned}` first reached the `none` arm's final {which} success "
+                         f"({target:.3f}) after {ln:.0f} budget units"
                          + (f"; the other fixed heuristics: {theirs}" + (", so it needed the least budget." if less else ".")
                             if theirs else "."))
-    else:
-        out["less_budget_than_all"] = None
     missing = [a for a in rep.get("arms_missing", []) if a not in arms]
     if missing:
         lines.append("Not compared (no finished run): " + ", ".join(f"`{a}`" for a in missing) + ".")
@@ -601,22 +614,27 @@ def format_markdown(rep: dict) -> str:
                          f"{_f(d['final_easy_diff'])} | {_ci(d['final_easy_diff_ci'])} | {len(d['paired_seeds'])} |")
             L.append("")
     L += ["## Results per arm (means over seeds)", "",
-          "| arm | controller | seeds | final easy | final beyond | 95% CI | AUC beyond | budget to match none "
-          "| zero-var share | acceptance | interv. share | rollouts/decision | wall s | ctl overhead |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| arm | controller | seeds | final easy | final beyond | 95% CI | AUC beyond | budget to match none (easy) "
+          "| budget to match none (beyond) | zero-var share | acceptance | interv. share | rollouts/decision | wall s "
+          "| ctl overhead |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in order:
         v = arms[a]
         ci = v["final_beyond_ci"] or [float("nan")] * 2
         match = "never" if v["budget_to_match_none"] is None else f"{v['budget_to_match_none']:.0f}"
+        beyond = v.get("budget_to_match_none_beyond")
+        match_b = "never" if beyond is None else f"{beyond:.0f}"
         L.append(f"| `{a}` | {v['controller']} | {v['n_seeds']} | {_f(v['final_easy'])} | {_f(v['final_beyond'])} | "
-                 f"[{ci[0]:.3f}, {ci[1]:.3f}] | {_f(v['auc_beyond'])} | {match} | "
+                 f"[{ci[0]:.3f}, {ci[1]:.3f}] | {_f(v['auc_beyond'])} | {match} | {match_b} | "
                  f"{_f(v['zero_variance_share'])} | {_f(v['acceptance'])} | {_f(v['intervention_budget_share'])} | "
                  f"{_f(v['rollouts_per_decision'], 2)} | {_f(v['wall_seconds'], 0)} | {_f(v['controller_overhead'], 4)} |")
     b = rep["budget"]
     spent = sorted({round(x) for x in b["per_arm"].values() if x is not None})
     L += ["", f"Budget spent per run: {', '.join(map(str, spent))} "
               f"({'the same for every arm' if b['equal'] else 'NOT the same for every arm'}). "
-              + (f"`none`'s final easy success, the target of 'budget to match none': {rep['none_final_easy']:.3f}."
+              + (f"`none`'s final easy success, the target of 'budget to match none (easy)': {rep['none_final_easy']:.3f}"
+                 + (f"; its final success beyond the boundary, the target of 'budget to match none (beyond)': "
+                    f"{rep['none_final_beyond']:.3f}." if _finite(rep.get("none_final_beyond")) else ".")
                  if rep.get("none_final_easy") is not None else "No `none` arm: 'budget to match none' is empty."), ""]
     cells = list(dict.fromkeys(c for a in order for c in arms[a].get("final_beyond_cells", {})))
     if cells:
@@ -665,6 +683,10 @@ def format_markdown(rep: dict) -> str:
     return "\n".join(L)
 
 
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def _md_escape(s: str) -> str:
     return s.replace("|", "\\|").replace("<", "&lt;")
 
@@ -701,7 +723,7 @@ def _log_to_parent(root: Path, state: dict, rep: dict, parent) -> None:
     metrics = {}
     for a, v in rep["arms"].items():
         for k in ("final_beyond", "final_easy", "auc_beyond", "zero_variance_share", "acceptance", "wall_seconds",
-                  "controller_overhead", "budget_to_match_none"):
+                  "controller_overhead", "budget_to_match_none", "budget_to_match_none_beyond"):
             if isinstance(v.get(k), (int, float)) and math.isfinite(v[k]):
                 metrics[f"report/{a}/{k}"] = float(v[k])
     if parent is not None:
