@@ -69,6 +69,20 @@ def task_mix(cfg: Config, step: int) -> tuple[list[str], list[int]]:
     return list(e.families), list(e.levels)
 
 
+def choice_metrics(groups) -> dict[str, float]:
+    """What the controller chose per family and level this step (``choice/<family>/level_<L>/…``, from the step's
+    groups after the rounds: base groups, refills and fill): ``groups``, ``intervened`` (groups with at least one
+    intervention, probes included) and, per how@where that ran on a group of that cell, its decisions."""
+    m: dict[str, float] = {}
+    for g in groups:
+        cell = f"choice/{g.family}/level_{int(g.task.level)}"
+        m[f"{cell}/groups"] = m.get(f"{cell}/groups", 0.0) + 1.0
+        m[f"{cell}/intervened"] = m.get(f"{cell}/intervened", 0.0) + float(bool(g.interventions))
+        for key in g.interventions:
+            m[f"{cell}/{key}"] = m.get(f"{cell}/{key}", 0.0) + 1.0
+    return m
+
+
 def _malformed(step) -> bool:
     """A turn that was not a call of a listed tool in the model's tool format, unless the environment took it as
     the end of the reply to a user message (``bfcl``: a turn without a call ends the user turn)."""
@@ -363,7 +377,9 @@ class Trainer:
 
     def _intervention_metrics(self, groups: list, outcomes: list, budget) -> dict[str, float]:
         share = budget.spent["intervention"] / budget.limit if budget.limit else 0.0
-        return intervention_metrics(groups, outcomes, share, self.state.interventions, self.state.intervention_totals)
+        m = intervention_metrics(groups, outcomes, share, self.state.interventions, self.state.intervention_totals)
+        m.update(choice_metrics(groups))
+        return m
 
     # ------------------------------------------------------------------ run
     def _evaluate(self, step: int) -> dict:

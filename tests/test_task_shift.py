@@ -1,6 +1,6 @@
 """A training task mix that changes mid-run (``env.shift_step``, ``env.shift_levels``, ``env.shift_families``): the
 config's rules, the draws (the same as without a shift before it, from the new mix after it, the same after a
-resume)."""
+resume), and the per family/level choice metrics that show what the controller did with it."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_a_run_resumed_after_the_shift_draws_what_the_uninterrupted_run_drew(tmp
 
     cache = tmp_path / "warmstart"
     rec = _Recorder(monkeypatch)
-    trainer, _ = start_run(_smoke(tmp_path, "straight", cache), show_progress=False)
+    trainer, straight = start_run(_smoke(tmp_path, "straight", cache), show_progress=False)
     trainer.run()
     ref = rec.draws
     assert ref and {lv for (step, _), d in ref.items() if step >= 2 for _, _, lv in d} == {3}
@@ -136,3 +136,18 @@ def test_a_run_resumed_after_the_shift_draws_what_the_uninterrupted_run_drew(tmp
     trainer.run()
     assert {k: v for k, v in before.items() if k[0] <= 2} == {k: v for k, v in ref.items() if k[0] <= 2}
     assert {k: v for k, v in rec.draws.items() if k[0] == 3} == {k: v for k, v in ref.items() if k[0] == 3}
+
+    # the choice metrics say which family and level each step's groups came from, and what was done to them
+    rows = [json.loads(ln) for ln in (straight / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in rows if "groups/count" in r}
+    for step, r in steps.items():
+        cells = {k.split("/")[2] for k in r if k.startswith("choice/") and k.endswith("/groups")}
+        assert cells and (cells == {"level_3"} if step >= 2 else True), (step, cells)
+        n = sum(v for k, v in r.items() if k.startswith("choice/") and k.endswith("/groups"))
+        assert n == r["groups/count"]
+        dec = sum(v for k, v in r.items() if k.startswith("choice/") and "@" in k)
+        assert dec == r["intervention/decisions"]
+        for k, v in r.items():
+            if k.startswith("choice/") and k.endswith("/intervened"):
+                assert 0 <= v <= r[k[: -len("intervened")] + "groups"]
+    assert any(v > 0 for r in steps.values() for k, v in r.items() if k.endswith("/intervened"))  # ladder acted
