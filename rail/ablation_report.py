@@ -721,18 +721,21 @@ def _draw_choices_by_level(rep: dict, root: Path, plt, kcol: dict) -> None:
         return
     ncols = min(2, len(active))
     nrows = math.ceil(len(active) / ncols)
-    n_cells = max(len(arms[a]["_cells_series"]["series"]) for a in active)
+    names = _cell_order(c for a in active for c in arms[a]["_cells_series"]["series"])  # the same rows for every arm
+    n_cells = len(names)
     fig, axes = plt.subplots(nrows, ncols, figsize=(7 * ncols, (1.2 + 0.32 * n_cells) * nrows + 0.8), squeeze=False)
     for i, a in enumerate(active):
         ax = axes[i // ncols][i % ncols]
         cs = arms[a]["_cells_series"]
         steps = np.array(cs["step"], dtype=float)
-        names = list(cs["series"])
         w = max(1, math.ceil(len(steps) / 40))
         bins = [slice(j, min(j + w, len(steps))) for j in range(0, len(steps), w)]
         img = np.ones((len(names), len(bins), 3))
         for r, c in enumerate(names):
-            ser = cs["series"][c]
+            ser = cs["series"].get(c)
+            if ser is None:  # no group of this cell in this arm's runs
+                img[r] = 0.85
+                continue
             grp, itv = np.array(ser["groups"]), np.array(ser["intervened"])
             dec = {k: np.array(v) for k, v in ser["keys"].items()}
             for j, b in enumerate(bins):
@@ -886,9 +889,17 @@ def format_markdown(rep: dict) -> str:
     return "\n".join(L)
 
 
+def _cell_order(labels) -> list[str]:
+    """Distinct ``"<family> L<level>"`` labels by family, then level."""
+    def key(c: str):
+        fam, _, lv = c.rpartition(" L")
+        return fam, int(lv) if lv.isdigit() else 0
+    return sorted(set(labels), key=key)
+
+
 def _markdown_by_cell(rep: dict) -> list[str]:
     arms, order = rep["arms"], rep["arms_order"]
-    cells = list(dict.fromkeys(c for a in order for c in arms[a].get("choices_by_cell", {})))
+    cells = _cell_order(c for a in order for c in arms[a].get("choices_by_cell", {}))
     if not cells:
         return []
     L = ["## What the controllers chose per family and level", "",
