@@ -118,9 +118,11 @@ def _seed_run(run_dir: Path, summary: dict) -> dict:
     iv = summary.get("interventions", {})
     by_cell = adaptivity.cell_series(steps)
     shift = adaptivity.shift_of(config)
-    follow, moved = None, {"cells": [], "start_step": None, "initial": None, "final": None, "auc": None}
+    follow, logged = None, False
+    moved = {"cells": [], "start_step": None, "initial": None, "final": None, "auc": None}
     if shift is not None:
-        follow = adaptivity.steps_to_follow(adaptivity.choice_counts(by_cell, [r["step"] for r in steps], shift))
+        counts = adaptivity.choice_counts(by_cell, [r["step"] for r in steps], shift)
+        follow, logged = adaptivity.steps_to_follow(counts), any(sum(c.values()) > 0 for c in counts)
         moved = adaptivity.shift_success(hist, shift)
     cells = {f"{fam} L{lvl}": float(v) for fam, by_level in sorted(ev.get("final", {}).items())
              for lvl, v in sorted(by_level.items(), key=lambda kv: int(kv[0])) if int(lvl) in beyond}
@@ -140,7 +142,7 @@ def _seed_run(run_dir: Path, summary: dict) -> dict:
         "step_intervention_share": [float(r.get("intervention/budget_share") or 0.0) for r in steps],
         "choices": choices,
         "budget_unit": summary["budget"]["unit"],
-        "cells": by_cell, "shift": shift, "steps_to_follow": follow,
+        "cells": by_cell, "shift": shift, "steps_to_follow": follow, "choices_after_shift": logged,
         "shift_cells": moved["cells"], "shift_start_step": moved["start_step"], "shift_initial": moved["initial"],
         "shift_final": moved["final"], "shift_auc": moved["auc"],
     }
@@ -285,8 +287,7 @@ def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
             "choices_by_cell": cells["totals"],
             "steps_to_follow": _mean(follow),
             "steps_to_follow_ci": t_interval(follow),
-            "steps_to_follow_never": sum(1 for r in rs if r["shift"] is not None and r["cells"]
-                                         and r["steps_to_follow"] is None),
+            "steps_to_follow_never": sum(1 for r in rs if r["choices_after_shift"] and r["steps_to_follow"] is None),
             "shift_initial": _mean(r["shift_initial"] for r in rs),
             "shift_final": _mean(r["shift_final"] for r in rs),
             "shift_final_ci": t_interval(_defined(rs, "shift_final")),

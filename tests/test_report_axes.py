@@ -306,3 +306,30 @@ def test_report_without_a_shift_has_no_shift_section_and_still_draws_the_choices
     assert rep["arms"]["none"]["choices_by_cell"] == {}
     assert "What the controllers chose per family and level" not in (old / "report.md").read_text()
     assert (old / "choices_by_level.png").is_file()
+
+
+def test_a_controller_that_never_settles_is_counted_and_left_out_of_the_mean(tmp_path):
+    from rail.ablation_report import write_report
+
+    root = tmp_path / "abl"
+    env = {"families": ["calc"], "levels": [1, 2], "shift_step": 4, "shift_levels": [3]}
+    hint = "rubric_hint@violation"
+    beyond, easy = [0.0, 0.0, 0.1, 0.1, 0.2, 0.2, 0.3], [0.5] * 7  # 12 steps: 9 after the shift, window 2, steady 3
+    fake_run(root / "ladder" / "seed0", "ladder", 0, beyond, easy, env=env,
+             rows=_choice_rows([(2.0, hint)] * 3, [(4.0, hint)] * 9))
+    fake_run(root / "ladder" / "seed1", "ladder", 1, beyond, easy, env=env,
+             rows=_choice_rows([(2.0, hint)] * 3, [(4.0, hint)] * 9))
+    # seed 0 settles 4 steps after the shift; seed 1 switches in the last two steps: off its own steady state
+    fake_run(root / "rail" / "seed0", "rail", 0, beyond, easy, env=env,
+             rows=_choice_rows([(2.0, hint)] * 3, [(0.0, None)] * 3 + [(4.0, hint)] * 6))
+    fake_run(root / "rail" / "seed1", "rail", 1, beyond, easy, env=env,
+             rows=_choice_rows([(2.0, hint)] * 3, [(0.0, None)] * 7 + [(4.0, hint)] * 2))
+    rep = write_report(root, figures=False)
+    r = rep["arms"]["rail"]
+    assert r["per_seed"]["0"]["steps_to_follow"] == 4 and r["per_seed"]["1"]["steps_to_follow"] is None
+    assert r["steps_to_follow"] == 4 and r["steps_to_follow_never"] == 1 and r["steps_to_follow_ci"] == [4, 4]
+    assert rep["arms"]["ladder"]["steps_to_follow_never"] == 0
+    v = rep["after_shift"]["vs"]["rail"]
+    assert v["steps_to_follow_paired_seeds"] == [0] and v["steps_to_follow_diff"] == 4
+    assert v["shift_final_paired_seeds"] == [0, 1] and v["shift_final_diff"] == 0
+    assert "Never settled within the tolerance by the end of the run (seeds): `rail` (1)." in rep["after_shift"]["text"]
