@@ -151,3 +151,28 @@ def test_a_run_resumed_after_the_shift_draws_what_the_uninterrupted_run_drew(tmp
             if k.startswith("choice/") and k.endswith("/intervened"):
                 assert 0 <= v <= r[k[: -len("intervened")] + "groups"]
     assert any(v > 0 for r in steps.values() for k, v in r.items() if k.endswith("/intervened"))  # ladder acted
+
+
+def test_a_shifted_mix_a_family_cannot_draw_is_refused_before_anything_is_trained(tmp_path, monkeypatch):
+    import rail.train as train
+    from rail.rundir import RunError
+
+    real = train.make_envs
+
+    def make_envs(families, seed, options):
+        envs = real(families, seed, options)
+        calc = envs["calc"]
+        draw = calc.sample_tasks
+
+        def sample_tasks(rng, levels, n):  # a finite pool without level 3 training tasks
+            if 3 in levels:
+                raise ValueError("calc: no training task of level 3")
+            return draw(rng, levels, n)
+        calc.sample_tasks = sample_tasks
+        return envs
+
+    monkeypatch.setattr(train, "make_envs", make_envs)
+    cfg = cfg_with(f"run.out='{tmp_path / 'run'}'", "tracking.uri=''", "env.levels=[1, 2]", "env.shift_step=2",
+                   "env.shift_levels=[3]")
+    with pytest.raises(RunError, match=r"env\.shift_families / env\.shift_levels: calc: no training task of level 3"):
+        Trainer(cfg, tmp_path / "run")
