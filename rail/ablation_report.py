@@ -15,9 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from rail import adaptivity
+
 FIXED = ("none", "dapo", "rti", "actguide", "ladder", "random")  # the fixed controllers (rail/controllers.py)
 STEP_TIMES = ("time/generate_s", "time/score_s", "time/controller_s", "time/update_s")
-FIGURES = ("learning_curves.png", "final_beyond.png", "choices.png", "how_many.png")
+FIGURES = ("learning_curves.png", "final_beyond.png", "choices.png", "how_many.png", "choices_by_level.png")
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -114,6 +116,14 @@ def _seed_run(run_dir: Path, summary: dict) -> dict:
         choices[key] = {"decisions": [float(r.get(f"intervention/{key}/decisions") or 0.0) for r in steps],
                         "rollouts": [float(r.get(f"intervention/{key}/rollouts") or 0.0) for r in steps]}
     iv = summary.get("interventions", {})
+    by_cell = adaptivity.cell_series(steps)
+    shift = adaptivity.shift_of(config)
+    follow, logged = None, False
+    moved = {"cells": [], "start_step": None, "initial": None, "final": None, "auc": None}
+    if shift is not None:
+        counts = adaptivity.choice_counts(by_cell, [r["step"] for r in steps], shift)
+        follow, logged = adaptivity.steps_to_follow(counts), any(sum(c.values()) > 0 for c in counts)
+        moved = adaptivity.shift_success(hist, shift)
     cells = {f"{fam} L{lvl}": float(v) for fam, by_level in sorted(ev.get("final", {}).items())
              for lvl, v in sorted(by_level.items(), key=lambda kv: int(kv[0])) if int(lvl) in beyond}
     return {
@@ -132,6 +142,9 @@ def _seed_run(run_dir: Path, summary: dict) -> dict:
         "step_intervention_share": [float(r.get("intervention/budget_share") or 0.0) for r in steps],
         "choices": choices,
         "budget_unit": summary["budget"]["unit"],
+        "cells": by_cell, "shift": shift, "steps_to_follow": follow, "choices_after_shift": logged,
+        "shift_cells": moved["cells"], "shift_start_step": moved["start_step"], "shift_initial": moved["initial"],
+        "shift_final": moved["final"], "shift_auc": moved["auc"],
     }
 
 
@@ -205,6 +218,35 @@ def _aggregate_choices(seed_runs: dict[int, dict]) -> dict:
     return {"step": steps, "by_key": per, "intervention_budget_share": share}
 
 
+def _aggregate_cells(seed_runs: dict[int, dict]) -> dict:
+    """Per family/level cell: groups, intervened groups and decisions per how@where at each training step, summed
+    over seeds (over the steps every seed has), for the figure; and ``totals``: per cell over training, the mean
+    over seeds of groups and decisions, the share of groups intervened (pooled) and the most chosen how@where."""
+    n = min((len(r["steps"]) for r in seed_runs.values()), default=0)
+    names = list(dict.fromkeys(c for r in seed_runs.values() for c in r["cells"]))
+    series: dict[str, dict] = {}
+    totals: dict[str, dict] = {}
+    k = max(len(seed_runs), 1)
+    for c in names:
+        have = [r["cells"][c] for r in seed_runs.values() if c in r["cells"]]
+        grp = np.sum([np.array(x["groups"][:n]) for x in have], axis=0)
+        itv = np.sum([np.array(x["intervened"][:n]) for x in have], axis=0)
+        keys = sorted({key for x in have for key in x["keys"]})
+        dec = {key: np.sum([np.array(x["keys"].get(key, [0.0] * n)[:n]) for x in have], axis=0) for key in keys}
+        series[c] = {"family": have[0]["family"], "level": have[0]["level"], "groups": grp.tolist(),
+                     "intervened": itv.tolist(), "keys": {key: v.tolist() for key, v in dec.items()}}
+        tot = {key: float(v.sum()) / k for key, v in dec.items()}
+        totals[c] = {"groups": float(grp.sum()) / k,
+                     "intervened_share": float(itv.sum() / grp.sum()) if grp.sum() > 0 else None,
+                     "decisions": tot, "dominant": max(tot, key=tot.get) if any(tot.values()) else None}
+    steps = next(iter(seed_runs.values()))["steps"][:n] if seed_runs else []
+    return {"step": steps, "series": series, "totals": totals}
+
+
+def _defined(rs: list[dict], field: str) -> list[float]:
+    return [r[field] for r in rs if r.get(field) is not None and math.isfinite(r[field])]
+
+
 def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
     arms: dict[str, dict] = {}
     for arm, seed_runs in runs.items():
@@ -212,6 +254,8 @@ def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
             continue
         rs = list(seed_runs.values())
         ch = _aggregate_choices(seed_runs)
+        cells = _aggregate_cells(seed_runs)
+        follow = _defined(rs, "steps_to_follow")
         dec = sum(v["total_decisions"] for v in ch["by_key"].values())
         rol = sum(v["total_rollouts"] for v in ch["by_key"].values())
         arms[arm] = {
@@ -228,6 +272,7 @@ def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
             "auc_beyond": _mean(r["auc_beyond"] for r in rs),
             "auc_beyond_ci": t_interval([r["auc_beyond"] for r in rs]),
             "budget_to_match_none": None,
+            "budget_to_match_none_beyond": None,
             "zero_variance_share": _mean(r["zero_variance_share"] for r in rs),
             "acceptance": _mean(r["acceptance"] for r in rs),
             "intervention_budget_share": _mean(r["intervention_budget_share"] for r in rs),
@@ -239,20 +284,29 @@ def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
                         for k, v in ch["by_key"].items()},
             "final_beyond_cells": {c: _mean(r["final_beyond_cells"].get(c) for r in rs)
                                    for c in dict.fromkeys(c for r in rs for c in r["final_beyond_cells"])},
+            "choices_by_cell": cells["totals"],
+            "steps_to_follow": _mean(follow),
+            "steps_to_follow_ci": t_interval(follow),
+            "steps_to_follow_never": sum(1 for r in rs if r["choices_after_shift"] and r["steps_to_follow"] is None),
+            "shift_initial": _mean(r["shift_initial"] for r in rs),
+            "shift_final": _mean(r["shift_final"] for r in rs),
+            "shift_final_ci": t_interval(_defined(rs, "shift_final")),
+            "shift_auc": _mean(r["shift_auc"] for r in rs),
+            "shift_auc_ci": t_interval(_defined(rs, "shift_auc")),
             "per_seed": {str(sd): {k: r[k] for k in ("final_easy", "final_beyond", "final_beyond_cells", "auc_beyond",
                                                     "zero_variance_share", "acceptance", "wall_seconds",
-                                                    "controller_overhead", "budget_spent")}
+                                                    "controller_overhead", "budget_spent", "steps_to_follow",
+                                                    "shift_final", "shift_auc")}
                          for sd, r in seed_runs.items()},
             "curve": _aggregate_curve(seed_runs),
             "_choices_series": ch,
+            "_cells_series": cells,
         }
     target = arms.get("none", {}).get("final_easy")
+    target_beyond = arms.get("none", {}).get("final_beyond")
     for a in arms.values():
-        if target is None:
-            break
-        c = a["curve"]
-        a["budget_to_match_none"] = next((b for b, v in zip(c["budget_spent"], c["easy"])
-                                          if v is not None and v >= target - 1e-9), None)
+        a["budget_to_match_none"] = _budget_to_reach(a["curve"], "easy", target)
+        a["budget_to_match_none_beyond"] = _budget_to_reach(a["curve"], "beyond", target_beyond)
     failed = []
     for key, e in sorted((state.get("jobs") or {}).items()):
         if e.get("status") in ("failed", "interrupted"):
@@ -273,11 +327,31 @@ def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
         "eval_tasks_easy": _eval_tasks(any_run, "easy_levels"),
         "budget": {"unit": any_run["budget_unit"] if any_run else None, "per_arm": spent,
                    "equal": _equal([v for v in spent.values() if v is not None])},
-        "none_final_easy": target,
+        "none_final_easy": target, "none_final_beyond": target_beyond,
+        "shift": _shift_setting(any_run),
         "arms": arms, "failed": failed,
         "arms_missing": [a for a in (state.get("arms") or list(runs)) if a not in arms],
         "damaged": list(state.get("damaged", [])),
     }
+
+
+def _shift_setting(run: dict | None) -> dict | None:
+    """The ablation's task-mix shift (every arm shares it: the environments are shared config) and how
+    steps_to_follow was measured; None without a shift."""
+    if run is None or run["shift"] is None:
+        return None
+    return {**run["shift"], "cells": run["shift_cells"], "start_step": run["shift_start_step"],
+            "tolerance": adaptivity.TOLERANCE, "window": "the trailing fifth of the post-shift steps, at least 1",
+            "steady_state": "its choices pooled over the last quarter of the post-shift steps, at least 1"}
+
+
+def _budget_to_reach(curve: dict, which: str, target: float | None) -> float | None:
+    """The budget spent at the first evaluation where the seed-mean ``which`` curve (``easy``, ``beyond``)
+    reaches ``target``; None when it never does or there is no target."""
+    if target is None or not math.isfinite(target):
+        return None
+    return next((b for b, v in zip(curve["budget_spent"], curve[which])
+                 if v is not None and math.isfinite(v) and v >= target - 1e-9), None)
 
 
 def _equal(values: list[float], rel: float = 0.01) -> bool:
@@ -342,6 +416,69 @@ def versus_none(rep: dict) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------- after a task-mix shift
+def _paired_defined(A: dict, B: dict, field: str) -> tuple[float | None, list[float] | None, list]:
+    """:func:`_paired` over the common seeds where both arms have ``field`` (steps_to_follow is null where a
+    controller never settled)."""
+    seeds = [s for s in A["seeds"] if s in B["seeds"] and A["per_seed"][str(s)].get(field) is not None
+             and B["per_seed"][str(s)].get(field) is not None]
+    d = [A["per_seed"][str(s)][field] - B["per_seed"][str(s)][field] for s in seeds]
+    return _mean(d), (t_interval(d) if len(d) >= 2 else None), seeds
+
+
+SHIFT_FIELDS = ("shift_final", "shift_auc", "steps_to_follow")
+
+
+def after_shift(rep: dict, reference: str = "ladder") -> dict | None:
+    """With a task-mix shift: each arm's paired differences from ``reference`` (the minimal-intervention heuristic
+    the learned controller shadows) in success on the shifted mix after the change and in steps_to_follow, and
+    the sentences of report.md; None without a shift."""
+    sh = rep.get("shift")
+    if sh is None:
+        return None
+    arms = rep["arms"]
+    out: dict[str, Any] = {"reference": reference if reference in arms else None, "vs": {}}
+    cells = ", ".join(sh["cells"]) or "none evaluated"
+    fams, lvs = ", ".join(f"`{f}`" for f in sh["families"]), ", ".join(map(str, sh["levels"]))
+    lines = [f"From training step {sh['step']} on, training tasks are drawn from {fams} at levels {lvs} (held-out "
+             f"cells of that mix: {cells}); "
+             + (f"success on the shifted mix is measured from the evaluation at step {sh['start_step']}, the last "
+                "before the change." if sh["start_step"] is not None else
+                "no held-out cell of that mix is evaluated (eval.levels), so there is no success on it to report.")]
+    if out["reference"] is None:
+        lines.append(f"No `{reference}` arm: no paired differences.")
+    else:
+        R = arms[reference]
+        for a in rep["arms_order"]:
+            if a == reference:
+                continue
+            d = {}
+            for f in SHIFT_FIELDS:
+                m, ci, seeds = _paired_defined(arms[a], R, f)
+                d[f"{f}_diff"], d[f"{f}_diff_ci"], d[f"{f}_paired_seeds"] = m, ci, seeds
+            out["vs"][a] = d
+        learned = rep.get("verdict", {}).get("learned")
+        if learned in out["vs"]:
+            d = out["vs"][learned]
+            part = []
+            for f, what in (("shift_final", "final success on the shifted mix"), ("shift_auc", "its AUC after the shift"),
+                            ("steps_to_follow", "steps to follow")):
+                if d[f"{f}_diff"] is None:
+                    part.append(f"{what}: no paired seed")
+                    continue
+                ci = d[f"{f}_diff_ci"]
+                nd = 1 if f == "steps_to_follow" else 3
+                part.append(f"{what} {d[f'{f}_diff']:+.{nd}f}"
+                            + (f" (95% CI [{ci[0]:.{nd}f}, {ci[1]:.{nd}f}])" if ci else " (one seed: no interval)"))
+            lines.append(f"`{learned}` − `{reference}`, paired over seeds: " + "; ".join(part) + ".")
+    never = [a for a in rep["arms_order"] if arms[a].get("steps_to_follow_never")]
+    if never:
+        lines.append("Never settled within the tolerance by the end of the run (seeds): "
+                     + ", ".join(f"`{a}` ({arms[a]['steps_to_follow_never']})" for a in never) + ".")
+    out["text"] = " ".join(lines)
+    return out
+
+
 # ---------------------------------------------------------------------------- the verdict
 def compare(rep: dict, learned: str = "rail") -> dict:
     """Is the learned arm above every fixed heuristic beyond the boundary at equal budget?"""
@@ -355,7 +492,8 @@ def compare(rep: dict, learned: str = "rail") -> dict:
         out["text"] = ("No comparison: " + (f"no finished `{learned}` arm" if learned not in arms
                                              else "no finished fixed-controller arm" if not fixed
                                              else "no level beyond the boundary was evaluated (eval.levels)") + ".")
-        out.update(beats_all_mean=None, beats_all_ci=None, less_budget_than_all=None)
+        out.update(beats_all_mean=None, beats_all_ci=None, less_budget_than_all=None,
+                   less_budget_than_all_beyond=None)
         return out
     L = arms[learned]
     for f in fixed:
@@ -393,24 +531,28 @@ def compare(rep: dict, learned: str = "rail") -> dict:
         lines.append(f"Beyond-boundary success is near zero for every arm (highest {top:.3f}); one held-out task "
                      f"moves that rate by {one_task:.4f} ({rep['eval_tasks_beyond']} tasks per evaluation), so these "
                      "differences amount to a few tasks.")
-    # budget to reach the none arm's final easy success
-    need = {a: arms[a]["budget_to_match_none"] for a in [learned, *fixed] if a in arms}
-    if rep.get("none_final_easy") is not None:
+    # budget to reach the none arm's final success, on the easy levels and beyond the boundary
+    for which, field, target, flag in (
+            ("easy-level", "budget_to_match_none", rep.get("none_final_easy"), "less_budget_than_all"),
+            ("beyond-boundary", "budget_to_match_none_beyond", rep.get("none_final_beyond"),
+             "less_budget_than_all_beyond")):
+        out[flag] = None
+        if target is None or not math.isfinite(target):
+            continue
+        need = {a: arms[a].get(field) for a in [learned, *fixed] if a in arms}
         ln = need.get(learned)
         others = {f: need[f] for f in fixed if f != "none"}
         less = ln is not None and all(v is None or ln < v for v in others.values())
-        out["less_budget_than_all"] = less if others else None
+        out[flag] = less if others else None
         theirs = ", ".join(f"`{f}` {'never' if v is None else f'{v:.0f}'}" for f, v in others.items())
         if ln is None:
-            lines.append(f"`{learned}` never reached the `none` arm's final easy-level success "
-                         f"({rep['none_final_easy']:.3f}) at an evaluation" + (f" (the others: {theirs})." if theirs else "."))
+            lines.append(f"`{learned}` never reached the `none` arm's final {which} success "
+                         f"({target:.3f}) at an evaluation" + (f" (the others: {theirs})." if theirs else "."))
         else:
-            lines.append(f"`{learned}` first reached the `none` arm's final easy-level success "
-                         f"({rep['none_final_easy']:.3f}) after {ln:.0f} budget units"
+            lines.append(f"`{learned}` first reached the `none` arm's final {which} success "
+                         f"({target:.3f}) after {ln:.0f} budget units"
                          + (f"; the other fixed heuristics: {theirs}" + (", so it needed the least budget." if less else ".")
                             if theirs else "."))
-    else:
-        out["less_budget_than_all"] = None
     missing = [a for a in rep.get("arms_missing", []) if a not in arms]
     if missing:
         lines.append("Not compared (no finished run): " + ", ".join(f"`{a}`" for a in missing) + ".")
@@ -551,7 +693,81 @@ def draw_figures(rep: dict, root: Path) -> list[str]:
     fig.savefig(root / "how_many.png", dpi=110)
     plt.close(fig)
     written.append("how_many.png")
+
+    _draw_choices_by_level(rep, root, plt, kcol)
+    written.append("choices_by_level.png")
     return written
+
+
+def _draw_choices_by_level(rep: dict, root: Path, plt, kcol: dict) -> None:
+    """Per intervening arm, a map of family/level cells (rows) against training steps (columns, in bins of about
+    1/40 of the run): the colour of the how@where chosen most in the bin, as strong as the share of the cell's
+    groups intervened (white: none; grey: no group of that cell trained in the bin); the shift step dashed."""
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    arms, order = rep["arms"], rep["arms_order"]
+    active = [a for a in order if any(sum(c["intervened"]) > 0 for c in arms[a]["_cells_series"]["series"].values())]
+    keys = sorted({k for a in active for c in arms[a]["_cells_series"]["series"].values() for k in c["keys"]})
+    for k in keys:
+        kcol.setdefault(k, _colors(keys)[k])
+    shift = rep.get("shift")
+    if not active:
+        fig, ax = plt.subplots(figsize=(6, 3))
+        ax.text(0.5, 0.5, "no arm intervened" if any(arms[a]["_cells_series"]["series"] for a in order) else
+                "no per family/level choices logged (choice/ metrics)", ha="center", va="center")
+        ax.axis("off")
+        fig.savefig(root / "choices_by_level.png", dpi=110)
+        plt.close(fig)
+        return
+    ncols = min(2, len(active))
+    nrows = math.ceil(len(active) / ncols)
+    names = _cell_order(c for a in active for c in arms[a]["_cells_series"]["series"])  # the same rows for every arm
+    n_cells = len(names)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(7 * ncols, (1.2 + 0.32 * n_cells) * nrows + 0.8), squeeze=False)
+    for i, a in enumerate(active):
+        ax = axes[i // ncols][i % ncols]
+        cs = arms[a]["_cells_series"]
+        steps = np.array(cs["step"], dtype=float)
+        w = max(1, math.ceil(len(steps) / 40))
+        bins = [slice(j, min(j + w, len(steps))) for j in range(0, len(steps), w)]
+        img = np.ones((len(names), len(bins), 3))
+        for r, c in enumerate(names):
+            ser = cs["series"].get(c)
+            if ser is None:  # no group of this cell in this arm's runs
+                img[r] = 0.85
+                continue
+            grp, itv = np.array(ser["groups"]), np.array(ser["intervened"])
+            dec = {k: np.array(v) for k, v in ser["keys"].items()}
+            for j, b in enumerate(bins):
+                g = grp[b].sum()
+                if g <= 0:
+                    img[r, j] = 0.85
+                    continue
+                tot = {k: v[b].sum() for k, v in dec.items()}
+                top = max(tot, key=tot.get) if tot and max(tot.values()) > 0 else None
+                share = min(1.0, itv[b].sum() / g)
+                if top is not None and share > 0:
+                    img[r, j] = (1 - share) * np.ones(3) + share * np.array(kcol[top][:3])
+        x0 = steps[0] - 0.5 if len(steps) else 0
+        x1 = steps[-1] + 0.5 if len(steps) else 1
+        ax.imshow(img, aspect="auto", interpolation="nearest", extent=(x0, x1, len(names) - 0.5, -0.5))
+        ax.set_yticks(range(len(names)), names, fontsize=8)
+        ax.set_title(a)
+        ax.set_xlabel("training step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if shift is not None:
+            ax.axvline(shift["step"] - 0.5, color="k", ls="--", lw=1.2)
+    for j in range(len(active), nrows * ncols):
+        axes[j // ncols][j % ncols].axis("off")
+    handles = [Patch(color=kcol[k]) for k in keys] + [Patch(color=(0.85, 0.85, 0.85))]
+    fig.legend(handles, keys + ["no group of the cell"], loc="lower center", ncol=min(5, len(keys) + 1), fontsize=8)
+    fig.suptitle("what the controllers chose per family and level: colour = the how@where chosen most, strength = share "
+                 "of the cell's groups intervened" + (f" (dashed: task-mix shift at step {shift['step']})" if shift else ""),
+                 fontsize=9)
+    fig.tight_layout(rect=(0, 0.05 + 0.02 * math.ceil((len(keys) + 1) / 5), 1, 0.95))
+    fig.savefig(root / "choices_by_level.png", dpi=110)
+    plt.close(fig)
 
 
 def _unit(rep: dict) -> str:
@@ -601,22 +817,27 @@ def format_markdown(rep: dict) -> str:
                          f"{_f(d['final_easy_diff'])} | {_ci(d['final_easy_diff_ci'])} | {len(d['paired_seeds'])} |")
             L.append("")
     L += ["## Results per arm (means over seeds)", "",
-          "| arm | controller | seeds | final easy | final beyond | 95% CI | AUC beyond | budget to match none "
-          "| zero-var share | acceptance | interv. share | rollouts/decision | wall s | ctl overhead |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| arm | controller | seeds | final easy | final beyond | 95% CI | AUC beyond | budget to match none (easy) "
+          "| budget to match none (beyond) | zero-var share | acceptance | interv. share | rollouts/decision | wall s "
+          "| ctl overhead |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in order:
         v = arms[a]
         ci = v["final_beyond_ci"] or [float("nan")] * 2
         match = "never" if v["budget_to_match_none"] is None else f"{v['budget_to_match_none']:.0f}"
+        beyond = v.get("budget_to_match_none_beyond")
+        match_b = "never" if beyond is None else f"{beyond:.0f}"
         L.append(f"| `{a}` | {v['controller']} | {v['n_seeds']} | {_f(v['final_easy'])} | {_f(v['final_beyond'])} | "
-                 f"[{ci[0]:.3f}, {ci[1]:.3f}] | {_f(v['auc_beyond'])} | {match} | "
+                 f"[{ci[0]:.3f}, {ci[1]:.3f}] | {_f(v['auc_beyond'])} | {match} | {match_b} | "
                  f"{_f(v['zero_variance_share'])} | {_f(v['acceptance'])} | {_f(v['intervention_budget_share'])} | "
                  f"{_f(v['rollouts_per_decision'], 2)} | {_f(v['wall_seconds'], 0)} | {_f(v['controller_overhead'], 4)} |")
     b = rep["budget"]
     spent = sorted({round(x) for x in b["per_arm"].values() if x is not None})
     L += ["", f"Budget spent per run: {', '.join(map(str, spent))} "
               f"({'the same for every arm' if b['equal'] else 'NOT the same for every arm'}). "
-              + (f"`none`'s final easy success, the target of 'budget to match none': {rep['none_final_easy']:.3f}."
+              + (f"`none`'s final easy success, the target of 'budget to match none (easy)': {rep['none_final_easy']:.3f}"
+                 + (f"; its final success beyond the boundary, the target of 'budget to match none (beyond)': "
+                    f"{rep['none_final_beyond']:.3f}." if _finite(rep.get("none_final_beyond")) else ".")
                  if rep.get("none_final_easy") is not None else "No `none` arm: 'budget to match none' is empty."), ""]
     cells = list(dict.fromkeys(c for a in order for c in arms[a].get("final_beyond_cells", {})))
     if cells:
@@ -649,6 +870,8 @@ def format_markdown(rep: dict) -> str:
         else:
             L.append(f"| `{a}` | no interventions |")
     L.append("")
+    L += _markdown_by_cell(rep)
+    L += _markdown_shift(rep)
     if rep["failed"]:
         L += ["## Failed jobs", "", "| job | status | exit code | last stderr lines |", "|---|---|---|---|"]
         for f in rep["failed"]:
@@ -659,10 +882,76 @@ def format_markdown(rep: dict) -> str:
     for name, what in (("learning_curves.png", "held-out success against budget spent"),
                        ("final_beyond.png", "final success beyond the boundary per arm"),
                        ("choices.png", "intervention rollouts per step by how@where"),
-                       ("how_many.png", "rollouts per decision and intervention budget share per step")):
+                       ("how_many.png", "rollouts per decision and intervention budget share per step"),
+                       ("choices_by_level.png", "share of groups intervened and the operator chosen most, per family "
+                                                "and level over training")):
         if name in rep.get("figures", []):
             L += [f"![{what}]({name})", ""]
     return "\n".join(L)
+
+
+def _cell_order(labels) -> list[str]:
+    """Distinct ``"<family> L<level>"`` labels by family, then level."""
+    def key(c: str):
+        fam, _, lv = c.rpartition(" L")
+        return fam, int(lv) if lv.isdigit() else 0
+    return sorted(set(labels), key=key)
+
+
+def _markdown_by_cell(rep: dict) -> list[str]:
+    arms, order = rep["arms"], rep["arms_order"]
+    cells = _cell_order(c for a in order for c in arms[a].get("choices_by_cell", {}))
+    if not cells:
+        return []
+    L = ["## What the controllers chose per family and level", "",
+         "Share of the cell's groups intervened over training (pooled over steps and seeds) and the how@where chosen "
+         "most there; over time in `choices_by_level.png`.", "",
+         "| arm | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
+    for a in order:
+        by = arms[a].get("choices_by_cell", {})
+        row = []
+        for c in cells:
+            v = by.get(c)
+            if not v or v["intervened_share"] is None:
+                row.append("–")
+            else:
+                row.append(f"{v['intervened_share']:.2f}" + (f" {v['dominant']}" if v["dominant"] else ""))
+        L.append(f"| `{a}` | " + " | ".join(row) + " |")
+    return L + [""]
+
+
+def _markdown_shift(rep: dict) -> list[str]:
+    sh, arms, order = rep.get("shift"), rep["arms"], rep["arms_order"]
+    if sh is None:
+        return []
+    adv = rep.get("after_shift") or {}
+    L = [f"## After the task-mix shift at step {sh['step']}", "", adv.get("text", ""), "",
+         f"Steps to follow: steps after the shift until the controller's choice distribution on the new mix stays "
+         f"within {sh['tolerance']} (total variation) of its own steady state ({sh['steady_state']}), each step's "
+         f"distribution pooled over {sh['window']}; mean over the seeds that settled, \"never\" counting the others "
+         "(docs/metrics.md, Adaptivity).", ""]
+    ref = adv.get("reference")
+    head = "| arm | steps to follow | never (seeds) | success at the shift | final on the mix | 95% CI | AUC after | 95% CI |"
+    if ref:
+        head += f" Δ final − `{ref}` | 95% CI | Δ AUC − `{ref}` | 95% CI | Δ steps − `{ref}` | 95% CI |"
+    L += [head, "|" + "---|" * (head.count("|") - 1)]
+    for a in order:
+        v = arms[a]
+        row = (f"| `{a}` | {_f(v['steps_to_follow'], 1)} | {v['steps_to_follow_never']} | {_f(v['shift_initial'])} | "
+               f"{_f(v['shift_final'])} | {_ci(v['shift_final_ci'])} | {_f(v['shift_auc'])} | {_ci(v['shift_auc_ci'])} |")
+        if ref:
+            d = adv["vs"].get(a)
+            if d is None:
+                row += " – | – | – | – | – | – |"
+            else:
+                row += "".join(f" {_f(d[f'{f}_diff'], 1 if f == 'steps_to_follow' else 3)} | {_ci(d[f'{f}_diff_ci'])} |"
+                               for f in SHIFT_FIELDS)
+        L.append(row)
+    return L + [""]
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def _md_escape(s: str) -> str:
@@ -686,10 +975,12 @@ def write_report(root: Path, parent=None, figures: bool = True) -> dict:
     if rep["damaged"]:  # whatever the comparison says, it says it without these runs
         rep["verdict"]["text"] += " Left out, damaged: " + "; ".join(rep["damaged"])
     rep["versus_none"] = versus_none(rep)
+    rep["after_shift"] = after_shift(rep)
     rep["figures"] = draw_figures(rep, root) if figures else []
     public = json.loads(json.dumps(rep, default=float))
     for a in public["arms"].values():
         a.pop("_choices_series", None)
+        a.pop("_cells_series", None)
     write_text_atomic(root / "report.json", json.dumps(public, indent=1, sort_keys=True))
     write_text_atomic(root / "report.md", format_markdown(rep))
     _log_to_parent(root, state, public, parent)
@@ -701,7 +992,8 @@ def _log_to_parent(root: Path, state: dict, rep: dict, parent) -> None:
     metrics = {}
     for a, v in rep["arms"].items():
         for k in ("final_beyond", "final_easy", "auc_beyond", "zero_variance_share", "acceptance", "wall_seconds",
-                  "controller_overhead", "budget_to_match_none"):
+                  "controller_overhead", "budget_to_match_none", "budget_to_match_none_beyond",
+                  "steps_to_follow", "shift_final", "shift_auc"):
             if isinstance(v.get(k), (int, float)) and math.isfinite(v[k]):
                 metrics[f"report/{a}/{k}"] = float(v[k])
     if parent is not None:

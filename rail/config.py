@@ -80,6 +80,9 @@ class EnvConfig:
     options: dict[str, dict] = F({}, "Keyword arguments of each family's constructor, by its entry in env.families: [env.options.bfcl] categories = [\"base\", \"miss_param\"] in TOML, --set 'env.options.bfcl.categories=[\"base\"]' (docs/environments.md).")
     levels: list[int] = F([1, 2, 3, 4], "Levels training tasks are drawn from (uniformly).")
     seed: int = F(0, "Seed of the environments' worlds (knowledge graph); fixed across runs to compare them.")
+    shift_step: int = F(0, "A task mix that changes mid-run: from this training step on (1-based) training tasks are drawn from env.shift_families and env.shift_levels instead (0: never). The draws before it are those of a run without a shift; evaluation is unchanged. rail train and rail ablate only: the TRL and verl adapters' datasets ignore it.")
+    shift_levels: list[int] = F([], "Levels training tasks are drawn from once env.shift_step is reached (empty: env.levels).")
+    shift_families: list[str] = F([], "Families (entries of env.families) training tasks are drawn from once env.shift_step is reached (empty: env.families).")
 
 
 @dataclass
@@ -475,6 +478,7 @@ def validate(cfg: Config) -> None:
     if any(lv < 1 or lv > 8 for lv in cfg.warmstart.guided_levels):
         raise ConfigError(f"warmstart.guided_levels = {cfg.warmstart.guided_levels}: levels must be in 1..8 "
                           f"(or an empty list: the warm-start levels)")
+    check_shift(cfg)
     need = max(cfg.env.levels + cfg.eval.levels) + 1
     if r.max_turns < need:
         raise ConfigError(f"rollout.max_turns = {r.max_turns} cannot solve level {need - 1} "
@@ -536,6 +540,42 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"learner.tis_cap = {L.tis_cap}: must be a finite number >= 1 (TRL's default is 3)")
     if r.vllm_kv_cache_mb < 1:
         raise ConfigError(f"rollout.vllm_kv_cache_mb = {r.vllm_kv_cache_mb}: must be >= 1")
+
+
+def check_shift(cfg: Config) -> None:
+    """The mid-run change of the task mix (``env.shift_*``): a step within the run, a mix that differs from the
+    one before it, levels in 1..8 and families among ``env.families``."""
+    e = cfg.env
+    if e.shift_step < 0:
+        raise ConfigError(f"env.shift_step = {e.shift_step}: must be >= 0 (0: no shift)")
+    if not e.shift_step:
+        if e.shift_levels or e.shift_families:
+            raise ConfigError(f"env.shift_levels / env.shift_families are set but env.shift_step = 0 (no shift); "
+                              "set env.shift_step to the training step the new mix starts at")
+        return
+    if e.shift_step > cfg.run.steps:
+        raise ConfigError(f"env.shift_step = {e.shift_step} is after the last step (run.steps = {cfg.run.steps}): "
+                          "the shift would never happen; lower it, or set it to 0 for no shift")
+    if not e.shift_levels and not e.shift_families:
+        raise ConfigError(f"env.shift_step = {e.shift_step} but env.shift_levels and env.shift_families are both "
+                          "empty: nothing changes; set the levels or families trained from that step on")
+    if any(lv < 1 or lv > 8 for lv in e.shift_levels):
+        raise ConfigError(f"env.shift_levels = {e.shift_levels}: levels must be in 1..8 (or an empty list: env.levels)")
+    if len(set(e.shift_levels)) != len(e.shift_levels):
+        raise ConfigError(f"env.shift_levels = {e.shift_levels}: a level appears twice")
+    off = [f for f in e.shift_families if f not in e.families]
+    if off:
+        raise ConfigError(f"env.shift_families: {', '.join(off)} not in env.families {e.families}; the shifted mix "
+                          "draws from the environments the run builds and evaluates")
+    if len(set(e.shift_families)) != len(e.shift_families):
+        raise ConfigError(f"env.shift_families = {e.shift_families}: an entry appears twice")
+    if (sorted(e.shift_levels or e.levels), sorted(e.shift_families or e.families)) == (sorted(e.levels), sorted(e.families)):
+        raise ConfigError(f"env.shift_levels = {e.shift_levels} and env.shift_families = {e.shift_families} give the "
+                          "mix of env.levels and env.families: nothing changes at env.shift_step")
+    need = max(e.shift_levels, default=0) + 1
+    if cfg.rollout.max_turns < need:
+        raise ConfigError(f"env.shift_levels: rollout.max_turns = {cfg.rollout.max_turns} cannot solve level "
+                          f"{need - 1} (needs {need} turns); raise rollout.max_turns")
 
 
 def config_markdown() -> str:

@@ -59,6 +59,30 @@ def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
                                                           "max_tokens": cfg.max_rollout_tokens, **overrides})
 
 
+def task_mix(cfg: Config, step: int) -> tuple[list[str], list[int]]:
+    """(families, levels) training tasks of ``step`` are drawn from: ``env.families`` and ``env.levels``, and from
+    ``env.shift_step`` on (when set) ``env.shift_families`` / ``env.shift_levels`` where they are not empty. A
+    function of the config and the step alone, so the draws of a step are the same however the run got there."""
+    e = cfg.env
+    if e.shift_step and step >= e.shift_step:
+        return list(e.shift_families or e.families), list(e.shift_levels or e.levels)
+    return list(e.families), list(e.levels)
+
+
+def choice_metrics(groups) -> dict[str, float]:
+    """What the controller chose per family and level this step (``choice/<family>/level_<L>/…``, from the step's
+    groups after the rounds: base groups, refills and fill): ``groups``, ``intervened`` (groups with at least one
+    intervention, probes included) and, per how@where that ran on a group of that cell, its decisions."""
+    m: dict[str, float] = {}
+    for g in groups:
+        cell = f"choice/{g.family}/level_{int(g.task.level)}"
+        m[f"{cell}/groups"] = m.get(f"{cell}/groups", 0.0) + 1.0
+        m[f"{cell}/intervened"] = m.get(f"{cell}/intervened", 0.0) + float(bool(g.interventions))
+        for key in g.interventions:
+            m[f"{cell}/{key}"] = m.get(f"{cell}/{key}", 0.0) + 1.0
+    return m
+
+
 def _malformed(step) -> bool:
     """A turn that was not a call of a listed tool in the model's tool format, unless the environment took it as
     the end of the reply to a user message (``bfcl``: a turn without a call ends the user turn)."""
@@ -102,6 +126,13 @@ class Trainer:
                 env.sample_tasks(np.random.default_rng(0), cfg.env.levels, 1)
         except ValueError as e:  # e.g. an option value the environment refuses
             raise RunError(f"env.families / env.options / env.levels: {e}") from None
+        if cfg.env.shift_step:  # the same for the mix trained after the shift, before anything is trained
+            fams, levels = task_mix(cfg, cfg.env.shift_step)
+            try:
+                for fam in fams:
+                    self.envs[fam].sample_tasks(np.random.default_rng(0), levels, 1)
+            except ValueError as e:
+                raise RunError(f"env.shift_families / env.shift_levels: {e}") from None
         self.runners = {f: ToolRunner(e, cfg.rollout.tool_format) for f, e in self.envs.items()}
         self.eval_counts = task_counts(self.envs, cfg)  # held-out tasks per row and level (pools may be finite)
         self.state = RunState()
@@ -223,12 +254,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def _sample_tasks(self, step: int, n_groups: int, stream: tuple = ()):
+        """``n_groups`` training tasks of ``step``'s mix (:func:`task_mix`), from a stream that depends only on
+        ``(run.seed, step, stream)``: a resumed run draws what the uninterrupted one drew, shift or not."""
         rng = np.random.default_rng([self.cfg.run.seed, step, 1, *stream])
-        fams = self.cfg.env.families
+        fams, levels = task_mix(self.cfg, step)
         out = []
         for g in range(n_groups):
             fam = fams[int(rng.integers(len(fams)))]
-            (task,) = self.envs[fam].sample_tasks(rng, self.cfg.env.levels, 1)
+            (task,) = self.envs[fam].sample_tasks(rng, levels, 1)
             out.append((fam, task))
         return out
 
@@ -344,7 +377,9 @@ class Trainer:
 
     def _intervention_metrics(self, groups: list, outcomes: list, budget) -> dict[str, float]:
         share = budget.spent["intervention"] / budget.limit if budget.limit else 0.0
-        return intervention_metrics(groups, outcomes, share, self.state.interventions, self.state.intervention_totals)
+        m = intervention_metrics(groups, outcomes, share, self.state.interventions, self.state.intervention_totals)
+        m.update(choice_metrics(groups))
+        return m
 
     # ------------------------------------------------------------------ run
     def _evaluate(self, step: int) -> dict:

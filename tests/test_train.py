@@ -293,6 +293,8 @@ def _generic(name: str) -> str:
     """A logged name in the docs' placeholder form."""
     import re
     name = re.sub(r"^intervention/[a-z_]+@[a-z]+/", "intervention/<key>/", name)
+    name = re.sub(r"^choice/[^/]+/level_\d+/[a-z_]+@[a-z]+$", "choice/<family>/level_<L>/<key>", name)
+    name = re.sub(r"^choice/[^/]+/level_\d+/", "choice/<family>/level_<L>/", name)
     name = re.sub(r"^eval/[a-z_/]+/level_\d+$", "eval/<family>/level_<L>", name)
     return re.sub(r"^eval/[a-z_/]+/all$", "eval/<family>/all", name)
 
