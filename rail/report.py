@@ -48,6 +48,7 @@ def format_summary(s: dict, out: Path) -> str:
         *_errors(s.get("errors"), s.get("tracking")),
         *_interventions(s.get("interventions")),
         *_controller(s.get("controller_state")),
+        *_learned(s.get("choices"), e, s["steps"]),
         "boundary (levels unsolved at the start): "
         + ", ".join(f"{f}: {v['unsolved_at_start']}" for f, v in s["boundary"].items()),
         "time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in s["time"].items()),
@@ -109,6 +110,50 @@ def _controller(c: dict | None) -> list[str]:
                       f"bound [{t['diff_lower']:+.3f}, {t['diff_upper']:+.3f}])" for t in c["transitions"]) or "none"
     return [f"learned controller: {c['events']} decisions, final mode {c['mode']}; transitions: {moves}",
             f"  trace: {c['trace']}  (rail traces evaluate {c['trace']})"]
+
+
+def learned(choices: dict | None, steps: int) -> list[dict]:
+    """What the controller did per family and level over the run, from ``summary.json`` ``choices``: the share of
+    the cell's groups it intervened on in the first and in the last quarter of its steps, its most used help (key,
+    share of the cell's decisions, mean rollouts per decision), and the step after which it no longer intervened
+    there (None while it still did in the last tenth of the run). Cells it never intervened on are left out."""
+    out = []
+    for cell, c in sorted((choices or {}).items(), key=lambda kv: (kv[0].split(" L")[0], int(kv[0].split(" L")[1]))):
+        decisions = sum(d for d, _ in c["help"].values())
+        if not decisions:
+            continue
+        by_step = sorted((int(k), g, i) for k, (g, i) in c["steps"].items())
+        q = max(1, steps // 4)
+        first = [(g, i) for st, g, i in by_step if st <= q]
+        last = [(g, i) for st, g, i in by_step if st > steps - q]
+        share = lambda rows: sum(i for _, i in rows) / sum(g for g, _ in rows) if rows and sum(g for g, _ in rows) else None
+        key, (d, r) = max(c["help"].items(), key=lambda kv: (kv[1][0], kv[0]))
+        last_on = max((st for st, _, i in by_step if i), default=None)
+        seen_after = any(st > (last_on or 0) for st, _, _ in by_step)
+        stopped = last_on if last_on is not None and seen_after and last_on <= steps - max(1, steps // 10) else None
+        out.append({"cell": cell, "decisions": decisions, "first": share(first), "last": share(last), "help": key,
+                    "help_share": d / decisions, "rollouts_each": r / d if d else 0.0, "stopped_after": stopped})
+    return out
+
+
+def _learned(choices: dict | None, e: dict, steps: int) -> list[str]:
+    rows = learned(choices, steps)
+    if not rows:
+        return []
+    f = lambda v: "-" if v is None else f"{v:.2f}"
+
+    def success(cell: str) -> str:
+        fam, lv = cell.split(" L")
+        a, b = (e.get("initial") or {}).get(fam, {}).get(lv), (e.get("final") or {}).get(fam, {}).get(lv)
+        return "" if a is None or b is None else f"{a:.2f}->{b:.2f}"
+
+    table = [[r["cell"], f"{f(r['first'])}->{f(r['last'])}", f"{r['help']} ({r['help_share']:.0%} of "
+              f"{r['decisions']}, {r['rollouts_each']:.1f} rollouts each)",
+              "still helping" if r["stopped_after"] is None else f"stopped after step {r['stopped_after']}",
+              success(r["cell"])] for r in rows]
+    return ["", "what the controller learned (groups it intervened on, first -> last quarter of the run; its most "
+            "used help; unguided success):",
+            _table(table, ["family/level", "intervened", "most used help", "", "success"]), ""]
 
 
 def format_interventions(interventions: dict | None, controller_state: dict | None) -> str:

@@ -83,6 +83,21 @@ def choice_metrics(groups) -> dict[str, float]:
     return m
 
 
+def note_choices(choices: dict, groups, step: int) -> None:
+    """Add one step's choices to the run's record per family and level (``summary.json`` ``choices``, the
+    summary's "what the controller learned"): ``steps`` maps the step to [groups, groups intervened on], ``help``
+    maps each intervention's key (``how@where[:T]``) to [decisions, rollouts]."""
+    for g in groups:
+        c = choices.setdefault(f"{g.family} L{int(g.task.level)}", {"steps": {}, "help": {}})
+        row = c["steps"].setdefault(str(step), [0, 0])
+        row[0] += 1
+        row[1] += int(bool(g.interventions))
+        for key in g.interventions:
+            h = c["help"].setdefault(key, [0, 0])
+            h[0] += 1
+            h[1] += sum(1 for t in g.trajectories if t.intervention and t.intervention.get("key") == key)
+
+
 def _malformed(step) -> bool:
     """A turn that was not a call of a listed tool in the model's tool format, unless the environment took it as
     the end of the reply to a user message (``bfcl``: a turn without a call ends the user turn)."""
@@ -112,6 +127,7 @@ class RunState:
     intervention_totals: dict = field(default_factory=dict)  # rescued / zero-variance group counts over the run
     tool_calls: dict = field(default_factory=dict)  # calls / failed / malformed, every rollout of the run
     errors: dict = field(default_factory=dict)  # reward / tool: verifier and tool failures over the run
+    choices: dict = field(default_factory=dict)  # "family L<level>" -> what the controller chose there (note_choices)
 
 
 class Trainer:
@@ -226,7 +242,8 @@ class Trainer:
                               tokens_per_rollout=float(rs.get("tokens_per_rollout", 0.0)),
                               interventions=rs.get("interventions", {}),
                               intervention_totals=rs.get("intervention_totals", {}),
-                              tool_calls=rs.get("tool_calls", {}), errors=rs.get("errors", {}))
+                              tool_calls=rs.get("tool_calls", {}), errors=rs.get("errors", {}),
+                              choices=rs.get("choices", {}))
         rng = saved.get("rng", {})
         if "python" in rng:
             random.setstate((rng["python"][0], tuple(rng["python"][1]), rng["python"][2]))
@@ -243,7 +260,7 @@ class Trainer:
                     "eval_history": st.eval_history, "mlflow_run_id": st.mlflow_run_id,
                     "tokens_per_rollout": st.tokens_per_rollout, "interventions": st.interventions,
                     "intervention_totals": st.intervention_totals, "tool_calls": st.tool_calls,
-                    "errors": st.errors},
+                    "errors": st.errors, "choices": st.choices},
             "rng": {"python": [py[0], list(py[1]), py[2]], "torch": torch.get_rng_state().tolist()},
         }
         save_checkpoint(self.out / "checkpoints", st.step, self.model, self.tokenizer,
@@ -379,6 +396,7 @@ class Trainer:
         share = budget.spent["intervention"] / budget.limit if budget.limit else 0.0
         m = intervention_metrics(groups, outcomes, share, self.state.interventions, self.state.intervention_totals)
         m.update(choice_metrics(groups))
+        note_choices(self.state.choices, groups, self.state.step + 1)
         return m
 
     # ------------------------------------------------------------------ run
@@ -489,6 +507,7 @@ class Trainer:
             "tracking": {"uri": cfg.tracking.uri,
                          "status": "off" if self.mlflow is None else "ok" if self.mlflow.ok else "failed",
                          "error": None if self.mlflow is None else self.mlflow.error},
+            "choices": st.choices,
             "time": {k: round(v, 3) for k, v in self.timings.items()},
         }
 

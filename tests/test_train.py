@@ -129,6 +129,9 @@ def test_smoke_run_trains_and_writes_everything(tmp_path, cache_dir):
         assert set(s["eval"][k]["lookup"]) == {"1", "2", "3"}
     assert [h["step"] for h in s["eval"]["history"]] == [0, 2, 3]
     assert [h["budget_spent"] for h in s["eval"]["history"]] == [0, 32, 48]
+    # what the controller chose, per family and level: every group of every step counted once, none intervened on
+    assert [sum(c["steps"][str(k)][0] for c in s["choices"].values() if str(k) in c["steps"]) for k in (1, 2, 3)] == [4] * 3
+    assert not any(c["help"] for c in s["choices"].values())
     lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [ln for ln in lines if "rollout/reward_mean" in ln]
     assert [ln["step"] for ln in steps] == [1, 2, 3]
@@ -323,3 +326,26 @@ def test_dependency_direction():
     for code in checks:
         r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 0, (code, r.stderr)
+
+
+def test_the_summary_says_what_the_controller_learned():
+    from rail.report import _learned, learned
+
+    steps = 20
+    choices = {  # kin L3: helped throughout with hints; lookup L1: helped early, then left alone from step 8 on
+        "kin L3": {"steps": {str(k): [2, 2 if k <= 5 else 1] for k in range(1, steps + 1)},
+                   "help": {"rubric_hint@start": [30, 120], "resample@violation": [5, 10]}},
+        "lookup L1": {"steps": {str(k): [3, 1 if k <= 7 else 0] for k in range(1, steps + 1)},
+                      "help": {"resample@violation:1.3": [7, 14]}},
+        "calc L1": {"steps": {str(k): [1, 0] for k in range(1, steps + 1)}, "help": {}},
+    }
+    rows = {r["cell"]: r for r in learned(choices, steps)}
+    assert set(rows) == {"kin L3", "lookup L1"}  # a cell it never helped is not a finding
+    k, lk = rows["kin L3"], rows["lookup L1"]
+    assert (k["first"], k["last"], k["help"], k["stopped_after"]) == (1.0, 0.5, "rubric_hint@start", None)
+    assert k["help_share"] == 30 / 35 and k["rollouts_each"] == 4.0
+    assert (lk["first"], lk["last"], lk["stopped_after"]) == (1 / 3, 0.0, 7)
+    e = {"initial": {"kin": {"3": 0.0}, "lookup": {"1": 0.5}}, "final": {"kin": {"3": 0.4}, "lookup": {"1": 0.9}}}
+    text = "\n".join(_learned(choices, e, steps))
+    assert "stopped after step 7" in text and "still helping" in text and "0.00->0.40" in text
+    assert "rubric_hint@start (86% of 35, 4.0 rollouts each)" in text
