@@ -145,6 +145,16 @@ def text_table(report: dict) -> str:
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
 
 
+def verdict(report: dict) -> str:
+    """Which cells meet all three targets, and which figure each other cell misses."""
+    cells = report["cells"]
+    ok = [name for name, c in cells.items() if all(c["passes"].values())]
+    missed = [f"{name} ({', '.join(f for f in FIGURES if not c['passes'][f])})" for name, c in cells.items()
+              if name not in ok]
+    return (f"All three targets met: {len(ok)} of {len(cells)} cells ({', '.join(ok) or 'none'})."
+            + (f" Missed: {'; '.join(missed)}." if missed else ""))
+
+
 def markdown(report: dict) -> str:
     t, cfg = report["targets"], report["config"]
     rows = table_rows(report)
@@ -195,6 +205,8 @@ def markdown(report: dict) -> str:
         "| " + " | ".join(rows[0]) + " |",
         "|" + "---|" * len(rows[0]),
         *["| " + " | ".join(r) + " |" for r in rows[1:]],
+        "",
+        verdict(report),
         "",
         "Every operator's success from the failed groups (rollouts in brackets):",
         "",

@@ -150,6 +150,7 @@ def test_report_files_have_the_documented_shape(tmp_path):
     assert "| calc L4 | 0.250 FAIL | 0.080 FAIL | n/a FAIL | - | 24 | 0 |" in md
     assert "experiments/probe_boundary.py --threads 1" in md and "**capacity**" in md and "**rescue**" in md
     assert "calc L3  0.750 pass" in pb.text_table(report)
+    assert "All three targets met: 1 of 2 cells (calc L3). Missed: calc L4 (capacity, unguided, rescue)." in md
 
 
 @pytest.mark.parametrize("argv, message", [
