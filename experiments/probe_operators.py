@@ -19,13 +19,11 @@ import time
 import numpy as np
 import torch
 
-from _probe import add_common_args, setup
+from _probe import add_common_args, operator_rollouts, rollout_groups, setup
 from policy import grpo
-from policy.engine import RolloutRequest
 from policy.learner import pad_training_views
 from policy.packing import forward_logits
-from rail import interventions as ivs
-from rail.envs import ToolRunner, rubric_status
+from rail.envs import ToolRunner
 
 OPERATORS = ("resample@violation", "rubric_hint@violation", "guided_step@violation", "action_guide@start",
              "action_guide@violation")
@@ -47,28 +45,16 @@ def main() -> None:
         for fam in cfg.env.families:
             env, runner = envs[fam], ToolRunner(envs[fam])
             tasks = env.sample_tasks(rng, [level], a.tasks)
-            reqs = [RolloutRequest(task=t, env=runner, system=env.system_prompt(), group=i)
-                    for i, t in enumerate(tasks) for _ in range(a.group)]
-            trajs = engine.generate(reqs, params, seed=level)
-            for tr in trajs:
-                task = tasks[tr.group]
-                tr.reward, tr.rubric = env.reward(task, tr.steps), rubric_status(env, task, tr.steps)
+            groups = rollout_groups(engine, params, env, runner, tasks, a.group, seed=level)
+            trajs = [tr for g in groups for tr in g]
             failed = [tr for tr in trajs if tr.reward < 1.0 and tr.rubric.first_violated is not None]
             first = collections.Counter(tr.rubric.first_violated for tr in failed)
-            groups = [[tr for tr in trajs if tr.group == i] for i in range(len(tasks))]
             row = {"level": level, "family": fam, "base_success": round(float(np.mean([t.reward for t in trajs])), 3),
                    "failed_groups": sum(all(t.reward < 1.0 for t in g) for g in groups),
                    "first_violated_item": {str(k): v for k, v in sorted(first.items())}}
             for key in OPERATORS:
-                iv = ivs.Intervention.parse(key, a.group)
-                rq = []
-                for i, g in enumerate(groups):
-                    p = ivs.plan(iv, i, g, tasks[i], runner, env.system_prompt(), "rollouts",
-                                 cfg.rollout.max_tokens_per_turn)
-                    if p is not None:
-                        rq += p.requests
-                out = engine.generate(rq, params, seed=100 + level) if rq else []
-                rs = [env.reward(tasks[r.group], tr.steps) for r, tr in zip(rq, out)]
+                _, out, rs = operator_rollouts(engine, params, env, runner, tasks, groups, key, a.group,
+                                               cfg.rollout.max_tokens_per_turn, seed=100 + level)
                 row[key] = round(float(np.mean(rs)), 3) if rs else None
                 row[key + ":trained"] = trained_view([tr for tr, r in zip(out, rs) if r >= 1.0], model, renderer.pad, cfg)
             print(json.dumps(row), flush=True)
