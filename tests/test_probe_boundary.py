@@ -171,8 +171,9 @@ def test_bad_flags_are_refused_with_a_reason(argv, message, capsys):
 
 
 def test_flags_select_the_cells():
-    a, cfg, families, levels = pb.parse_args(["--families", "kin", "calc", "--levels", "4", "--seed", "3"])
+    a, cfg, families, levels = pb.parse_args(["--families", "kin", "calc", "--levels", "4", "--seed", "3",
+                                              "--set", "env.families=['lookup', 'calc', 'kin']"])
     assert families == ["kin", "calc"] and levels == [4] and cfg.run.seed == 3
     a, cfg, families, levels = pb.parse_args([])
-    assert families == ["lookup", "calc", "kin"] and levels == [3, 4] and cfg.run.seed == 0
+    assert families == ["kin"] and levels == [3, 4] and cfg.run.seed == 0
     assert (a.tasks, a.rollouts) == (cfg.eval.tasks_per_level, cfg.budget.group_size) == (48, 8)

@@ -23,7 +23,7 @@ def cfg_with(*sets: str, preset: str = "smoke") -> Config:
 def test_defaults_are_no_shift():
     e = Config().env
     assert (e.shift_step, e.shift_levels, e.shift_families) == (0, [], [])
-    assert task_mix(build_config(), 100) == (["lookup", "calc", "kin"], [1, 2, 3, 4])
+    assert task_mix(build_config(), 100) == (["kin"], [1, 2, 3, 4])
 
 
 @pytest.mark.parametrize("sets, needle", [
