@@ -93,9 +93,9 @@ def note_choices(choices: dict, groups, step: int) -> None:
         row[0] += 1
         row[1] += int(bool(g.interventions))
         for key in g.interventions:
-            h = c["help"].setdefault(key, [0, 0])
-            h[0] += 1
-            h[1] += sum(1 for t in g.trajectories if t.intervention and t.intervention.get("key") == key)
+            c["help"].setdefault(key, [0, 0])[0] += 1
+        for key in set(g.interventions):  # the rollouts of every decision of that key on the group, counted once
+            c["help"][key][1] += sum(1 for t in g.trajectories if t.intervention and t.intervention.get("key") == key)
 
 
 def _malformed(step) -> bool:
