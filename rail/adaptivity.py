@@ -18,7 +18,7 @@ TOLERANCE = 0.25
 #: the category of the choice distribution that counts a group left without intervention
 NONE = "none"
 
-CHOICE = re.compile(r"^choice/(.+)/level_(\d+)/(groups|intervened|[a-z_]+@[a-z]+)$")
+CHOICE = re.compile(r"^choice/(.+)/level_(\d+)/(groups|intervened|[a-z_]+@[a-z]+(?::[0-9.]+)?)$")
 
 
 def cell_label(family: str, level: int | str) -> str:

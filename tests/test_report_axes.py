@@ -333,3 +333,12 @@ def test_a_controller_that_never_settles_is_counted_and_left_out_of_the_mean(tmp
     assert v["steps_to_follow_paired_seeds"] == [0] and v["steps_to_follow_diff"] == 4
     assert v["shift_final_paired_seeds"] == [0, 1] and v["shift_final_diff"] == 0
     assert "Never settled within the tolerance by the end of the run (seeds): `rail` (1)." in rep["after_shift"]["text"]
+
+
+def test_choices_of_an_action_at_its_own_temperature_are_read():
+    from rail import adaptivity
+
+    rows = [{"choice/kin/level_3/groups": 2.0, "choice/kin/level_3/intervened": 1.0,
+             "choice/kin/level_3/resample@entropy:1.3": 1.0, "choice/kin/level_3/rubric_hint@start": 1.0}]
+    cell = adaptivity.cell_series(rows)["kin L3"]
+    assert set(cell["keys"]) == {"resample@entropy:1.3", "rubric_hint@start"} and cell["groups"] == [2.0]
