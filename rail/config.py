@@ -69,7 +69,7 @@ class WarmStartConfig:
     batch_size: int = F(32, "Reference trajectories per warm-start step.")
     lr: float = F(3e-3, "Warm-start learning rate (AdamW, cosine decay).")
     noise: float = F(0.4, "Share of demonstrations from an imperfect demonstrator (one wrong call, then consistent).")
-    guided_share: float = F(0.2, "Share of demonstrations that follow guidance in their context (a plan or a rubric hint), so the built-in model can read the interventions' guidance.")
+    guided_share: float = F(0.4, "Share of demonstrations that follow guidance in their context (a plan or a rubric hint), so the built-in model can read the interventions' guidance.")
     guided_levels: list[int] = F([1, 2, 3, 4], "Levels the guided demonstrations are drawn from (empty: `warmstart.levels`). Reading guidance at levels it cannot solve alone is what a pretrained model brings.")
     cache_dir: str = F(".cache/rail/warmstart", "Where warm-started models are cached, keyed by their config, the model (the vocabulary, or model.path's files) and a hash of the warm start's first demonstrations (what the environments demonstrate).")
 
