@@ -48,7 +48,7 @@ def format_summary(s: dict, out: Path) -> str:
         *_errors(s.get("errors"), s.get("tracking")),
         *_interventions(s.get("interventions")),
         *_controller(s.get("controller_state")),
-        *_learned(s.get("choices"), e, s["steps"]),
+        *_learned(s.get("choices"), e, s["steps"], learns=s["controller"] == "rail"),
         "boundary (levels unsolved at the start): "
         + ", ".join(f"{f}: {v['unsolved_at_start']}" for f, v in s["boundary"].items()),
         "time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in s["time"].items()),
@@ -136,7 +136,7 @@ def learned(choices: dict | None, steps: int) -> list[dict]:
     return out
 
 
-def _learned(choices: dict | None, e: dict, steps: int) -> list[str]:
+def _learned(choices: dict | None, e: dict, steps: int, learns: bool = True) -> list[str]:
     rows = learned(choices, steps)
     if not rows:
         return []
@@ -151,8 +151,8 @@ def _learned(choices: dict | None, e: dict, steps: int) -> list[str]:
               f"{r['decisions']}, {r['rollouts_each']:.1f} rollouts each)",
               "still helping" if r["stopped_after"] is None else f"stopped after step {r['stopped_after']}",
               success(r["cell"])] for r in rows]
-    return ["", "what the controller learned (groups it intervened on, first -> last quarter of the run; its most "
-            "used help; unguided success):",
+    return ["", f"what the controller {'learned' if learns else 'did'} (groups it intervened on, first -> last "
+            "quarter of the run; its most used help; unguided success):",
             _table(table, ["family/level", "intervened", "most used help", "", "success"]), ""]
 
 
