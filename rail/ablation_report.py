@@ -564,8 +564,10 @@ def compare(rep: dict, learned: str = "rail") -> dict:
 def _colors(names: list[str]) -> dict[str, Any]:
     import matplotlib
 
-    cmap = matplotlib.colormaps["tab10" if len(names) <= 10 else "tab20"]
-    return {a: cmap(i % cmap.N) for i, a in enumerate(names)}
+    cmap = matplotlib.colormaps["tab10" if len(names) <= 9 else "tab20"]
+    # no greys: the choice maps draw "no group of the cell" in grey
+    palette = [c for c in (cmap(i) for i in range(cmap.N)) if max(c[:3]) - min(c[:3]) > 0.05]
+    return {a: palette[i % len(palette)] for i, a in enumerate(names)}
 
 
 def draw_figures(rep: dict, root: Path) -> list[str]:
