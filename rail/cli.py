@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -205,8 +207,25 @@ def _show_warning(message, category, filename, lineno, file=None, line=None, _de
         _default(message, category, filename, lineno, file, line)
 
 
+_interrupted = False
+
+
+def _on_sigint(signum, frame):
+    """Ctrl-C: remembered, then Python's own KeyboardInterrupt. A Ctrl-C reaches the whole process group, so a
+    child (vLLM's engine core) may die of it first and the error that reaches the trainer is the child's death,
+    not the interrupt; with the flag set, that error is still an interruption."""
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _interrupted
     warnings.showwarning = _show_warning
+    _interrupted = False
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
     parser = argparse.ArgumentParser(prog="rail", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
     _train_parser(sub)
@@ -230,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         print("rail: interrupted; resume with `rail train --resume DIR`", file=sys.stderr)
         return 130
     except Exception as e:  # known failure kinds get one clear line, not a traceback
+        if _interrupted:  # what a Ctrl-C did to a child process (above), after the interrupt itself
+            print(f"rail: interrupted ({type(e).__name__} in a child process after Ctrl-C); resume with "
+                  "`rail train --resume DIR`", file=sys.stderr)
+            return 130
         from rail.rundir import RunError
         known = (RunError, OSError)  # an OSError names its file (a full disk, a missing or unreadable path)
         if "policy.checkpoint" in sys.modules:  # a CheckpointError exists only once it is imported (torch: slow)
