@@ -111,7 +111,7 @@ def _seed_run(run_dir: Path, summary: dict) -> dict:
     ctl = [r["controller/seconds"] for r in steps if r.get("controller/seconds") is not None]
     choices: dict[str, dict[str, list[float]]] = {}
     keys = sorted({m.split("/")[1] for r in steps for m in r
-                   if re.match(r"^intervention/[a-z_]+@[a-z]+(?::[0-9.]+)?/decisions$", m)})
+                   if re.match(rf"^intervention/{adaptivity.KEY}/decisions$", m)})
     for key in keys:
         choices[key] = {"decisions": [float(r.get(f"intervention/{key}/decisions") or 0.0) for r in steps],
                         "rollouts": [float(r.get(f"intervention/{key}/rollouts") or 0.0) for r in steps]}

@@ -18,7 +18,9 @@ TOLERANCE = 0.25
 #: the category of the choice distribution that counts a group left without intervention
 NONE = "none"
 
-CHOICE = re.compile(r"^choice/(.+)/level_(\d+)/(groups|intervened|[a-z_]+@[a-z]+(?::[0-9.]+)?)$")
+#: an intervention's key in metric names: how@where, or how@where:T at a temperature of its own
+KEY = r"[a-z_]+@[a-z]+(?::[0-9.]+)?"
+CHOICE = re.compile(rf"^choice/(.+)/level_(\d+)/(groups|intervened|{KEY})$")
 
 
 def cell_label(family: str, level: int | str) -> str:
