@@ -238,3 +238,27 @@ def test_smoke_run_trains_on_an_environment_named_by_import_path(tmp_path):
     families = {json.loads(ln)["c"]["s"]["family"] for ln in (out / "traces" / "decisions.dsjson").read_text().splitlines()}
     assert CIPHER in families
     assert "cipher" in r.stdout
+
+
+def test_vault_held_out_environment_is_complete_and_out_of_unguided_reach():
+    """experiments/vault_env.py, the claim's held-out check: the guide solves a task, a guess almost never does,
+    the hint states the code, and training never draws a held-out task."""
+    env = make_env("experiments.vault_env:VaultEnv", 3)
+    check_family("experiments.vault_env:VaultEnv")
+    task = env.sample_tasks(np.random.default_rng(0), [3], 1)[0]
+    runner = ToolRunner(env)
+    steps = [runner.step(task, a.render()) for a in task.action_guide]
+    assert env.reward(task, steps) == 1.0 and rubric_status(env, task, steps).progress == 1.0
+    code = env.codes[task.answer]
+    assert task.rubric[0].evidence == f"the {task.answer} code is " + " then ".join(code)
+    rng = np.random.default_rng(1)
+    guesses = [env.reward(task, [runner.step(task, Action("press", (str(b),)).render())
+                                 for b in rng.choice(["red", "blue", "green", "amber", "white", "black"], 3)]
+                          + [runner.step(task, Action("open", (task.answer,)).render())]) for _ in range(600)]
+    assert 0 < sum(guesses) < 12  # one code in 216
+    wrong = [*steps[:3], runner.step(task, Action("open", ("attic" if task.answer != "attic" else "cellar",)).render())]
+    assert env.reward(task, wrong) == 0.0
+    held = env.eval_tasks(3, 48)
+    assert len(held) == 48 and held == env.eval_tasks(3, 48)
+    assert not {t.id for t in env.sample_tasks(np.random.default_rng(2), [3], 500)} & {t.id for t in held}
+    assert set(" ".join([task.prompt, task.rubric[0].evidence, env.system_prompt()]).split()) <= set(env.vocabulary())
