@@ -416,6 +416,44 @@ def versus_none(rep: dict) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------- over other action spaces
+def versus_learned(rep: dict) -> dict | None:
+    """The learned controller over other action spaces (expressiveness): every other arm whose controller is the
+    learned one's, paired against the learned arm (arm − learned) on final and AUC success beyond the boundary and
+    final easy success. None when the ablation has no such arm."""
+    arms = rep["arms"]
+    learned = rep.get("verdict", {}).get("learned", "rail")
+    if learned not in arms or arms[learned]["final_beyond"] is None:
+        return None
+    others = [a for a in rep["arms_order"] if a != learned and arms[a]["controller"] == arms[learned]["controller"]
+              and arms[a]["final_beyond"] is not None]
+    if not others:
+        return None
+    L = arms[learned]
+    out: dict[str, Any] = {"learned": learned, "vs": {}}
+    for a in others:
+        db, db_ci, paired = _paired(arms[a], L, "final_beyond")
+        da, da_ci, _ = _paired(arms[a], L, "auc_beyond")
+        de, de_ci, _ = _paired(arms[a], L, "final_easy")
+        out["vs"][a] = {"final_beyond_diff": db, "final_beyond_diff_ci": db_ci, "auc_beyond_diff": da,
+                        "auc_beyond_diff_ci": da_ci, "final_easy_diff": de, "final_easy_diff_ci": de_ci,
+                        "paired_seeds": paired}
+    vs = out["vs"]
+    above = [a for a in others if vs[a]["final_beyond_diff_ci"] and vs[a]["final_beyond_diff_ci"][0] > 0]
+    below = [a for a in others if vs[a]["final_beyond_diff_ci"] and vs[a]["final_beyond_diff_ci"][1] < 0]
+    parts = []
+    if above:
+        parts.append("above `" + learned + "` (paired interval above 0): " + ", ".join(f"`{a}`" for a in above))
+    if below:
+        parts.append("below it (interval below 0): " + ", ".join(f"`{a}`" for a in below))
+    rest = [a for a in others if a not in above and a not in below]
+    if rest:
+        parts.append("not told apart from it: " + ", ".join(f"`{a}`" for a in rest))
+    out["text"] = (f"The same controller as `{learned}` over other action spaces ({arms[learned]['controller']}), "
+                   "final success beyond the boundary: " + "; ".join(parts) + ".")
+    return out
+
+
 # ---------------------------------------------------------------------------- after a task-mix shift
 def _paired_defined(A: dict, B: dict, field: str) -> tuple[float | None, list[float] | None, list]:
     """:func:`_paired` over the common seeds where both arms have ``field`` (steps_to_follow is null where a
@@ -818,6 +856,18 @@ def format_markdown(rep: dict) -> str:
                 L.append(f"| `{a}` | {_f(d['final_beyond_diff'])} | {_ci(d['final_beyond_diff_ci'])} | "
                          f"{_f(d['final_easy_diff'])} | {_ci(d['final_easy_diff_ci'])} | {len(d['paired_seeds'])} |")
             L.append("")
+    vl = rep.get("versus_learned")
+    if vl:
+        L += ["## The learned controller over other action spaces", "", vl["text"], "",
+              f"Paired differences arm − `{vl['learned']}` over seeds (95% t-interval with ≥ 2 seeds):", "",
+              "| arm | Δ final beyond | 95% CI | Δ AUC beyond | 95% CI | Δ final easy | 95% CI | seeds |",
+              "|---|---|---|---|---|---|---|---|"]
+        for a in [a for a in rep["arms_order"] if a in vl["vs"]]:
+            d = vl["vs"][a]
+            L.append(f"| `{a}` | {_f(d['final_beyond_diff'])} | {_ci(d['final_beyond_diff_ci'])} | "
+                     f"{_f(d['auc_beyond_diff'])} | {_ci(d['auc_beyond_diff_ci'])} | "
+                     f"{_f(d['final_easy_diff'])} | {_ci(d['final_easy_diff_ci'])} | {len(d['paired_seeds'])} |")
+        L.append("")
     L += ["## Results per arm (means over seeds)", "",
           "| arm | controller | seeds | final easy | final beyond | 95% CI | AUC beyond | budget to match none (easy) "
           "| budget to match none (beyond) | zero-var share | acceptance | interv. share | rollouts/decision | wall s "
@@ -977,6 +1027,7 @@ def write_report(root: Path, parent=None, figures: bool = True) -> dict:
     if rep["damaged"]:  # whatever the comparison says, it says it without these runs
         rep["verdict"]["text"] += " Left out, damaged: " + "; ".join(rep["damaged"])
     rep["versus_none"] = versus_none(rep)
+    rep["versus_learned"] = versus_learned(rep)
     rep["after_shift"] = after_shift(rep)
     rep["figures"] = draw_figures(rep, root) if figures else []
     public = json.loads(json.dumps(rep, default=float))

@@ -206,6 +206,35 @@ def test_report_numbers_from_known_runs(tmp_path):
     assert "| arm | calc L3 |" in md and "| `rail` | 0.40 (+0.30) |" in md and "| `none` | 0.10 |" in md
 
 
+def test_report_pairs_the_learned_controller_over_other_action_spaces(tmp_path):
+    """Expressiveness: arms with the learned controller's name are paired against it (arm − rail), fixed arms
+    are not, and the markdown says which ones end below it."""
+    from rail.ablation_report import write_report
+
+    root = tmp_path / "abl"
+    for seed, (b_rail, b_how, b_full) in enumerate([(0.5, 0.1, 0.45), (0.7, 0.2, 0.75), (0.6, 0.15, 0.6)]):
+        _fake_run(root / "none" / f"seed{seed}", "none", seed, [0.0, 0.0, 0.05], [0.2, 0.3, 0.4], "none")
+        for arm, b in (("rail", b_rail), ("rail_how", b_how), ("rail_full", b_full)):
+            _fake_run(root / arm / f"seed{seed}", "rail", seed, [0.0, 0.1, b], [0.2, 0.4, 0.5], "rail")
+    rep = write_report(root)
+    vl = rep["versus_learned"]
+    assert vl["learned"] == "rail" and set(vl["vs"]) == {"rail_how", "rail_full"}
+    how = vl["vs"]["rail_how"]  # per-seed differences -0.4, -0.5, -0.45
+    assert how["final_beyond_diff"] == pytest.approx(-0.45) and how["final_beyond_diff_ci"][1] < 0
+    assert how["final_easy_diff_ci"] == pytest.approx([0.0, 0.0]) and how["paired_seeds"] == [0, 1, 2]
+    full = vl["vs"]["rail_full"]  # -0.05, +0.05, 0: not told apart
+    assert full["final_beyond_diff"] == pytest.approx(0.0, abs=1e-12) and full["final_beyond_diff_ci"][0] < 0 < full["final_beyond_diff_ci"][1]
+    md = (root / "report.md").read_text()
+    assert "## The learned controller over other action spaces" in md and "below it (interval below 0): `rail_how`" in md
+    assert "not told apart from it: `rail_full`" in md and "| `rail_how` | -0.450 |" in md
+    # an ablation without such arms has no section
+    import shutil
+    for arm in ("rail_how", "rail_full"):
+        shutil.rmtree(root / arm)
+    assert write_report(root)["versus_learned"] is None
+    assert "over other action spaces" not in (root / "report.md").read_text()
+
+
 # ---------------------------------------------------------------------------- a real smoke ablation
 @pytest.fixture(scope="module")
 def smoke_ablation(tmp_path_factory):
