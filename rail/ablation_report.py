@@ -599,12 +599,19 @@ def compare(rep: dict, learned: str = "rail") -> dict:
 
 
 # ---------------------------------------------------------------------------- figures
+def _operator(key: str) -> str:
+    """``how@where`` of an intervention key ``how@where[:T]``: the figures colour operators, whatever the
+    temperature."""
+    return key.split(":", 1)[0]
+
+
 def _colors(names: list[str]) -> dict[str, Any]:
     import matplotlib
 
-    cmap = matplotlib.colormaps["tab10" if len(names) <= 9 else "tab20"]
-    # no greys: the choice maps draw "no group of the cell" in grey
-    palette = [c for c in (cmap(i) for i in range(cmap.N)) if max(c[:3]) - min(c[:3]) > 0.05]
+    # distinct hues first (tab10, then Dark2, then Set3), never two shades of one hue side by side (the choice maps
+    # show a share as lightness); no greys: the choice maps draw "no group of the cell" in grey
+    cmaps = [matplotlib.colormaps[m] for m in ("tab10", "Dark2", "Set3")]
+    palette = [c for cm in cmaps for c in (cm(i) for i in range(cm.N)) if max(c[:3]) - min(c[:3]) > 0.05]
     return {a: palette[i % len(palette)] for i, a in enumerate(names)}
 
 
@@ -670,10 +677,15 @@ def draw_figures(rep: dict, root: Path) -> list[str]:
     plt.close(fig)
     written.append("final_beyond.png")
 
-    # the controller's choices: intervention rollouts per step, stacked by how@where
+    # the controller's choices: intervention rollouts per step, stacked by how@where (temperatures summed: one
+    # colour per operator, so the colours stay distinct; the tables keep every temperature apart)
     active = [a for a in order if arms[a]["_choices_series"]["by_key"]]
-    keys = sorted({k for a in active for k in arms[a]["_choices_series"]["by_key"]})
-    kcol = _colors(keys)
+    use: dict[str, float] = {}  # the most used operators get the first, most distinct colours
+    for a in active:
+        for k, v in arms[a]["_choices_series"]["by_key"].items():
+            use[_operator(k)] = use.get(_operator(k), 0.0) + float(np.sum(v["rollouts"]))
+    kcol = _colors(sorted(use, key=lambda k: (-use[k], k)))
+    keys = sorted(use)
     if active:
         ncols = min(3, len(active))
         nrows = math.ceil(len(active) / ncols)
@@ -683,8 +695,11 @@ def draw_figures(rep: dict, root: Path) -> list[str]:
             ch = arms[a]["_choices_series"]
             x = np.array(ch["step"])
             w = max(1, len(x) // 15)
-            ks = [k for k in keys if k in ch["by_key"]]
-            ys = [_smooth(np.array(ch["by_key"][k]["rollouts"]), w) for k in ks]
+            per_op: dict[str, np.ndarray] = {}
+            for k, v in ch["by_key"].items():
+                per_op[_operator(k)] = per_op.get(_operator(k), 0) + np.array(v["rollouts"], dtype=float)
+            ks = [k for k in keys if k in per_op]
+            ys = [_smooth(per_op[k], w) for k in ks]
             ax.stackplot(x, *ys, labels=ks, colors=[kcol[k] for k in ks], alpha=0.85)
             ax.set_title(a)
             ax.set_xlabel("training step")
@@ -748,7 +763,7 @@ def _draw_choices_by_level(rep: dict, root: Path, plt, kcol: dict) -> None:
 
     arms, order = rep["arms"], rep["arms_order"]
     active = [a for a in order if any(sum(c["intervened"]) > 0 for c in arms[a]["_cells_series"]["series"].values())]
-    keys = sorted({k for a in active for c in arms[a]["_cells_series"]["series"].values() for k in c["keys"]})
+    keys = sorted({_operator(k) for a in active for c in arms[a]["_cells_series"]["series"].values() for k in c["keys"]})
     for k in keys:
         kcol.setdefault(k, _colors(keys)[k])
     shift = rep.get("shift")
@@ -778,7 +793,9 @@ def _draw_choices_by_level(rep: dict, root: Path, plt, kcol: dict) -> None:
                 img[r] = 0.85
                 continue
             grp, itv = np.array(ser["groups"]), np.array(ser["intervened"])
-            dec = {k: np.array(v) for k, v in ser["keys"].items()}
+            dec: dict[str, np.ndarray] = {}
+            for k, v in ser["keys"].items():
+                dec[_operator(k)] = dec.get(_operator(k), 0) + np.array(v, dtype=float)
             for j, b in enumerate(bins):
                 g = grp[b].sum()
                 if g <= 0:
