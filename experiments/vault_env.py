@@ -1,9 +1,12 @@
 # A held-out check of the claim testbed: an environment with a reachability boundary written outside the package,
-# against the protocol in docs/environments.md only (no base class, no demonstration hook), the way a user would
-# write one. docs/claim/README.md reports the probe and the controllers on it.
+# against the protocol in docs/environments.md only (no base class), the way a user would write one; its one option,
+# nonce_demonstrations, adds the demonstration hook that page recommends for levels that differ in knowledge.
+# docs/claim/README.md reports the probe and the controllers on both.
 #   python experiments/probe_boundary.py --families experiments.vault_env:VaultEnv --tasks 16 --out runs/vault-probe
 #   rail ablate --config experiments/ablations/claim.toml --arms none,ladder,rail --out runs/ablate-vault \
 #       --set 'env.families=["experiments.vault_env:VaultEnv"]'
+#   the same with guided demonstrations about nonce vaults (the remedy docs/environments.md gives):
+#       --set 'env.families=["experiments.vault_env:VaultEnv"]' --set 'env.options={"experiments.vault_env:VaultEnv" = {nonce_demonstrations = true}}'
 """``vault``: open a named vault by pressing its three-button code, then ``open(vault)``.
 
 Every vault's code is three presses out of six buttons, drawn once from the environment seed; level ``k`` asks
@@ -32,6 +35,8 @@ VAULTS = ("cellar", "attic", "tower", "crypt",
           "gate", "well", "barn", "loft",
           "dock", "keep", "hall", "yard")
 PER_LEVEL = 4
+#: Vault names only guided warm-start demonstrations use (``nonce_demonstrations``), each time with a fresh code.
+NONCE_VAULTS = ("blick", "dax", "wug", "fep", "toma", "zup")
 SYSTEM_PROMPT = ("you open vaults . a vault opens with a code of three buttons . call press ( button ) for each "
                  "button of the code , then open ( vault ) .")
 
@@ -42,10 +47,10 @@ class VaultEnv:
     name = "vault"
     levels = (1, 2, 3, 4, 5, 6)
 
-    def __init__(self, seed: int = 0, houses: int = 100):
+    def __init__(self, seed: int = 0, houses: int = 100, nonce_demonstrations: bool = False):
         if houses < 10:
             raise ValueError(f"vault: houses = {houses}: at least 10, so every level has held-out tasks")
-        self.seed, self.houses = seed, houses
+        self.seed, self.houses, self.nonce = seed, houses, bool(nonce_demonstrations)
         rng = np.random.default_rng([seed, 777])
         self.codes = {v: tuple(BUTTONS[int(i)] for i in rng.integers(len(BUTTONS), size=3)) for v in VAULTS}
 
@@ -61,12 +66,12 @@ class VaultEnv:
 
     def vocabulary(self) -> list[str]:
         fixed = "open the of house which is code then click error unknown button tool malformed call : ."
-        text = " ".join([SYSTEM_PROMPT, fixed, *BUTTONS, *VAULTS, *map(str, range(self.houses))])
+        text = " ".join([SYSTEM_PROMPT, fixed, *BUTTONS, *VAULTS, *NONCE_VAULTS, *map(str, range(self.houses))])
         return sorted(set(re.findall(r"\w+|[^\w\s]", text)))
 
     # --------------------------------------------------------------- tasks
-    def _task(self, vault: str, house: int, level: int) -> Task:
-        code = self.codes[vault]
+    def _task(self, vault: str, house: int, level: int, code: tuple[str, ...] | None = None) -> Task:
+        code = code or self.codes[vault]
         evidence = f"the {vault} code is " + " then ".join(code)
         rubric = tuple(RubricItem(f"press({b}) #{i + 1}", "call", Action("press", (b,)), "click", evidence)
                        for i, b in enumerate(code))
@@ -74,6 +79,16 @@ class VaultEnv:
         return Task(id=f"vault:{vault}:{house}", family=self.name, level=level,
                     prompt=f"open the {vault} of house {house} .", answer=vault, rubric=rubric,
                     action_guide=tuple(item.action for item in rubric))
+
+    def demonstration_task(self, rng: np.random.Generator, levels: Sequence[int], guided: bool) -> Task:
+        """With ``nonce_demonstrations``, a guided warm-start demonstration opens a nonce vault with a code drawn
+        afresh, so it teaches reading the hint and no level's codes (docs/environments.md); otherwise a training
+        task of ``levels``, as without this method."""
+        if not (guided and self.nonce):
+            return self.sample_tasks(rng, levels, 1)[0]
+        vault = NONCE_VAULTS[int(rng.integers(len(NONCE_VAULTS)))]
+        code = tuple(BUTTONS[int(i)] for i in rng.integers(len(BUTTONS), size=3))
+        return self._task(vault, int(rng.integers(self.houses)), 0, code)
 
     @staticmethod
     def held_out(task: Task) -> bool:
@@ -122,7 +137,8 @@ class VaultEnv:
         last = steps[-1] if steps else None
         opened = (last is not None and last.done and last.action is not None and last.action.tool == "open"
                   and last.action.args[0].strip() == task.answer)
-        return 1.0 if opened and tuple(presses) == self.codes[task.answer] else 0.0
+        code = tuple(item.action.args[0] for item in task.rubric if item.action.tool == "press")  # also a nonce vault's
+        return 1.0 if opened and tuple(presses) == code else 0.0
 
     def item_holds(self, task: Task, item: RubricItem, step: Step) -> bool:
         a = step.action

@@ -262,3 +262,13 @@ def test_vault_held_out_environment_is_complete_and_out_of_unguided_reach():
     assert len(held) == 48 and held == env.eval_tasks(3, 48)
     assert not {t.id for t in env.sample_tasks(np.random.default_rng(2), [3], 500)} & {t.id for t in held}
     assert set(" ".join([task.prompt, task.rubric[0].evidence, env.system_prompt()]).split()) <= set(env.vocabulary())
+    # guided demonstrations: training tasks by default, nonce vaults with a fresh code with the option
+    assert env.demonstration_task(np.random.default_rng(4), [3], True).answer in env.codes
+    nonce = make_env("experiments.vault_env:VaultEnv", 3, {"nonce_demonstrations": True})
+    demos = [nonce.demonstration_task(np.random.default_rng(i), [3, 4], True) for i in range(20)]
+    assert all(d.answer not in nonce.codes and d.level == 0 for d in demos)
+    assert len({d.rubric[0].evidence for d in demos}) > 10  # codes drawn afresh
+    steps = [runner.step(demos[0], a.render()) for a in demos[0].action_guide]
+    assert nonce.reward(demos[0], steps) == 1.0
+    assert set(demos[0].prompt.split()) <= set(nonce.vocabulary())
+    assert nonce.demonstration_task(np.random.default_rng(4), [1, 2], False).level in (1, 2)
