@@ -1,11 +1,13 @@
 # A held-out check of the claim testbed: an environment with a reachability boundary written outside the package,
 # against the protocol in docs/environments.md only (no base class), the way a user would write one; its one option,
-# nonce_demonstrations, adds the demonstration hook that page recommends for levels that differ in knowledge.
+# nonce_demonstrations, adds the demonstration hook kin uses for levels that differ in knowledge (it does not make
+# vault read hints: docs/environments.md).
 # docs/claim/README.md reports the probe and the controllers on both.
-#   python experiments/probe_boundary.py --families experiments.vault_env:VaultEnv --tasks 16 --out runs/vault-probe
+#   python experiments/probe_boundary.py --families experiments.vault_env:VaultEnv \
+#       --set 'env.families=["experiments.vault_env:VaultEnv"]' --tasks 16 --out runs/vault-probe
 #   rail ablate --config experiments/ablations/claim.toml --arms none,ladder,rail --out runs/ablate-vault \
 #       --set 'env.families=["experiments.vault_env:VaultEnv"]'
-#   the same with guided demonstrations about nonce vaults (the remedy docs/environments.md gives):
+#   the same with guided demonstrations about nonce vaults, as kin has them:
 #       --set 'env.families=["experiments.vault_env:VaultEnv"]' --set 'env.options={"experiments.vault_env:VaultEnv" = {nonce_demonstrations = true}}'
 """``vault``: open a named vault by pressing its three-button code, then ``open(vault)``.
 
