@@ -599,10 +599,14 @@ def compare(rep: dict, learned: str = "rail") -> dict:
 
 
 # ---------------------------------------------------------------------------- figures
-def _operator(key: str) -> str:
-    """``how@where`` of an intervention key ``how@where[:T]``: the figures colour operators, whatever the
-    temperature."""
-    return key.split(":", 1)[0]
+def _by_operator(series: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Per-key series summed per operator (:func:`rail.adaptivity.operator`): the figures colour operators,
+    whatever the temperature."""
+    out: dict[str, np.ndarray] = {}
+    for k, v in series.items():
+        op = adaptivity.operator(k)
+        out[op] = out.get(op, 0) + np.asarray(v, dtype=float)
+    return out
 
 
 def _colors(names: list[str]) -> dict[str, Any]:
@@ -680,10 +684,12 @@ def draw_figures(rep: dict, root: Path) -> list[str]:
     # the controller's choices: intervention rollouts per step, stacked by how@where (temperatures summed: one
     # colour per operator, so the colours stay distinct; the tables keep every temperature apart)
     active = [a for a in order if arms[a]["_choices_series"]["by_key"]]
+    per_arm = {a: _by_operator({k: v["rollouts"] for k, v in arms[a]["_choices_series"]["by_key"].items()})
+               for a in active}
     use: dict[str, float] = {}  # the most used operators get the first, most distinct colours
-    for a in active:
-        for k, v in arms[a]["_choices_series"]["by_key"].items():
-            use[_operator(k)] = use.get(_operator(k), 0.0) + float(np.sum(v["rollouts"]))
+    for ops in per_arm.values():
+        for op, y in ops.items():
+            use[op] = use.get(op, 0.0) + float(y.sum())
     kcol = _colors(sorted(use, key=lambda k: (-use[k], k)))
     keys = sorted(use)
     if active:
@@ -695,9 +701,7 @@ def draw_figures(rep: dict, root: Path) -> list[str]:
             ch = arms[a]["_choices_series"]
             x = np.array(ch["step"])
             w = max(1, len(x) // 15)
-            per_op: dict[str, np.ndarray] = {}
-            for k, v in ch["by_key"].items():
-                per_op[_operator(k)] = per_op.get(_operator(k), 0) + np.array(v["rollouts"], dtype=float)
+            per_op = per_arm[a]
             ks = [k for k in keys if k in per_op]
             ys = [_smooth(per_op[k], w) for k in ks]
             ax.stackplot(x, *ys, labels=ks, colors=[kcol[k] for k in ks], alpha=0.85)
@@ -763,9 +767,11 @@ def _draw_choices_by_level(rep: dict, root: Path, plt, kcol: dict) -> None:
 
     arms, order = rep["arms"], rep["arms_order"]
     active = [a for a in order if any(sum(c["intervened"]) > 0 for c in arms[a]["_cells_series"]["series"].values())]
-    keys = sorted({_operator(k) for a in active for c in arms[a]["_cells_series"]["series"].values() for k in c["keys"]})
+    keys = sorted({adaptivity.operator(k) for a in active for c in arms[a]["_cells_series"]["series"].values()
+                   for k in c["keys"]})
+    fallback = _colors(keys)
     for k in keys:
-        kcol.setdefault(k, _colors(keys)[k])
+        kcol.setdefault(k, fallback[k])
     shift = rep.get("shift")
     if not active:
         fig, ax = plt.subplots(figsize=(6, 3))
@@ -793,9 +799,7 @@ def _draw_choices_by_level(rep: dict, root: Path, plt, kcol: dict) -> None:
                 img[r] = 0.85
                 continue
             grp, itv = np.array(ser["groups"]), np.array(ser["intervened"])
-            dec: dict[str, np.ndarray] = {}
-            for k, v in ser["keys"].items():
-                dec[_operator(k)] = dec.get(_operator(k), 0) + np.array(v, dtype=float)
+            dec = _by_operator(ser["keys"])
             for j, b in enumerate(bins):
                 g = grp[b].sum()
                 if g <= 0:

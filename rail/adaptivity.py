@@ -20,6 +20,11 @@ NONE = "none"
 
 #: an intervention's key in metric names: how@where, or how@where:T at a temperature of its own
 KEY = r"[a-z_]+@[a-z]+(?::[0-9.]+)?"
+
+
+def operator(key: str) -> str:
+    """``how@where`` of a key ``how@where[:T]``: the operator, whatever the temperature."""
+    return key.split(":", 1)[0]
 CHOICE = re.compile(rf"^choice/(.+)/level_(\d+)/(groups|intervened|{KEY})$")
 
 
