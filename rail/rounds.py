@@ -256,7 +256,7 @@ class Rounds:
                 spare = self._left() - sum(o.cost for o in outcomes if o.ran) - self.controller.reserve(
                     decided, self.menu, self.max_rounds - rnd - 1, refills=sum(o.ran and o.decision.refill
                                                                                 for o in outcomes))
-                yield from self._start_fill(spare, final=False)
+                yield from self._start_fill(spare, final=False, last=rnd == self.max_rounds - 1)
             for gen, mine in gens:
                 trajs = yield Wait(gen)
                 self._charge(gen.kind, trajs)
@@ -325,10 +325,10 @@ class Rounds:
                 g.spent += o.cost
             self.outcomes.append(o)
 
-    def _start_fill(self, spare: float, final: bool) -> Generator[Start, Any, None]:
-        """Start unguided rollouts worth at most ``spare``: fresh groups (after the last round, a smaller last
-        group too when at least two rollouts are left, so they still compare), or, with fixed slots and only after
-        the last round, each group's free slots."""
+    def _start_fill(self, spare: float, final: bool, last: bool = False) -> Generator[Start, Any, None]:
+        """Start unguided rollouts worth at most ``spare``: fresh groups (after the last round, or beside the last
+        round ``max_rounds`` allows (``last``), a smaller last group too when at least two rollouts are left, so
+        they still compare), or, with fixed slots and only after the last round, each group's free slots."""
         key = ("fill",) if not self._fills else ("fill", len(self._fills))
         if self.new_tasks is None:
             if final:
@@ -339,7 +339,7 @@ class Rounds:
                     yield Start(gen)
             return
         n_full, rest = divmod(max(0, int(spare // self.per_rollout)), self.g)
-        if not final or self.budget.unit == "tokens":
+        if not (final or last) or self.budget.unit == "tokens":
             rest = 0
         if n_full == 0 and rest < 2:
             return

@@ -240,3 +240,37 @@ def test_a_one_round_controllers_fill_runs_in_its_rounds_batch(world):
     assert hints == 4 * 2  # groups 0 and 1: rti_how_many = 4 each (2 and 4 have successes, 3 too little capacity)
     assert calls == [(("round", 0), hints + 32)]  # the 32 left: four fresh groups of 8, beside the round
     assert budget.remaining == 0 and budget.spent["base"] == 32 and len(groups) == 5 + 4
+
+
+def test_the_fill_beside_the_last_allowed_round_takes_the_whole_rest(world):
+    """With ``max_rounds`` = 1 no round follows the first, so the fill that starts beside it takes everything left,
+    a smaller last group included: the step's rollouts after the base batch are one batch, never a serial tail."""
+    env, renderer, _ = world
+    cfg = _cfg("ladder")
+    for total in range(40, 48):  # every remainder of a group of 8
+        groups = _groups(world)
+        tasks = [("lookup", g.task) for g in groups]
+        ctl = CONTROLLERS["ladder"](config=cfg)
+        ctl.begin_step(1, np.random.default_rng(0))
+        budget = StepBudget("rollouts", total)
+        calls = []
+
+        def generate(gen):
+            calls.append(gen.key)
+            out = []
+            for req in gen.requests:
+                tr = copy.copy(groups[0].base[-1])
+                tr.group, tr.reward = req.group, 0.0
+                out.append(tr)
+            return out
+
+        def requests(idx, k):
+            from policy.engine import RolloutRequest
+            return [RolloutRequest(task=tasks[i][1], env=None, system="", group=i) for i in idx for _ in range(k)]
+
+        rounds = Rounds(ctl, groups, tasks, make_menu(cfg, {"lookup": env}, {"lookup": ToolRunner(env)}), budget,
+                        max_rounds=1, group_size=8, base_requests=requests,
+                        new_tasks=lambda n, key: [("lookup", groups[0].task)] * n)
+        ran = drive(rounds.protocol(), generate)
+        assert ran and calls == [("round", 0)], (total, calls)
+        assert budget.remaining < 2 and len(groups[-1].trajectories) >= 2
