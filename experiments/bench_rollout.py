@@ -6,6 +6,7 @@
 # Run: .venv/bin/python experiments/bench_rollout.py [--batch 64 128 256] [--steps 5] [--repeats 5]
 #      .venv/bin/python experiments/bench_rollout.py --only-step --steps 10 [--step-engine vllm] [--set controller.max_rounds=2] \
 #          [--model .cache/rail/warmstart/<key> --tool-format builtin]  (a step's rollouts, one warm-started model)
+#      .venv/bin/python experiments/bench_rollout.py --only-step --steps 8 --trace   (each step's stream timeline)
 #      .venv/bin/python experiments/bench_rollout.py --skip-train --threads 1 --clock cpu --repeats 5  (shared machine)
 #      .venv/bin/python experiments/bench_rollout.py --engine transformers vllm --batch 64 128 --skip-train
 #      .venv/bin/python experiments/make_tiny_model.py /tmp/qwen75m --hidden 768 --layers 12 --heads 12 \
@@ -105,6 +106,34 @@ def transformers_rates(eng, model, reqs, params, repeats: int) -> dict:
             "tool_seconds": round(eng.stats.tool_seconds, 4), "mean_context": ctx}
 
 
+def trace_step(trainer, timeline: list) -> None:
+    """Record into ``timeline`` what a step's rollout stream does: ``+N`` (N episodes join), ``R:MS`` (a turn over R
+    open episodes took MS milliseconds), ``DN`` (the controller decided N interventions or refills)."""
+    make_stream, decide = trainer.engine.stream, trainer.controller.decide
+
+    def stream(*args, **kw):
+        st = make_stream(*args, **kw)
+        add, advance = st.add, st.advance
+
+        def traced_add(requests):
+            timeline.append(f"+{len(requests)}")
+            return add(requests)
+
+        def traced_advance():
+            rows, t = st.open, time.perf_counter()
+            ended = advance()
+            timeline.append(f"{rows}:{(time.perf_counter() - t) * 1000:.0f}")
+            return ended
+        st.add, st.advance = traced_add, traced_advance
+        return st
+
+    def traced_decide(*args, **kw):
+        out = decide(*args, **kw)
+        timeline.append(f"D{len(out)}")
+        return out
+    trainer.engine.stream, trainer.controller.decide = stream, traced_decide
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
@@ -121,6 +150,9 @@ def main() -> None:
                     help="rollout.engine of the training steps")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a config field, as rail train's --set (e.g. controller.max_rounds=2)")
+    ap.add_argument("--trace", action="store_true",
+                    help="with the training steps: print each step's stream timeline (requests joining, and every "
+                         "turn's open episodes and milliseconds) and the controller's decisions per round")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1,
                     help="time the transformers engine and the raw decode this many times, alternately, and "
@@ -197,10 +229,17 @@ def main() -> None:
     out = Path(tempfile.mkdtemp())
     (out / "config.json").write_text("{}")
     trainer = Trainer(cfg, out, show_progress=False)
+    timeline: list = []
+    if a.trace:
+        trace_step(trainer, timeline)
     split = {"generate": 0.0, "score": 0.0, "controller": 0.0, "update": 0.0}
     step_rollouts, one_batch = [], []
     for s in range(1, a.steps + 1):
+        timeline.clear()
         m = trainer.step(s)
+        if a.trace:
+            print(json.dumps({"step": s, "rollouts_s": round(m["time/rollouts_s"], 4),
+                              "timeline": " ".join(timeline)}), flush=True)
         for k in split:
             split[k] += m[f"time/{k}_s"]
         # all of the step's rollouts (base, rounds, fill, scored) against the same number of fresh rollouts

@@ -153,7 +153,7 @@ class ControllerConfig:
     ladder_how_many: int = F(2, "ladder: rollouts per rung.")
     probe_rollouts: int = F(2, "actguide: rollouts per probe of the plan-length search.")
     max_probes: int = F(5, "actguide: most probes per group.")
-    max_rounds: int = F(8, "Most decide -> run rounds per step.")
+    max_rounds: int = F(8, "Most decide -> run rounds per step. Each waits for the one before: fewer rounds make a step faster and rescue less (docs/benchmarks.md, 'A step's rollouts against one batch').")
     shadow: str = F("ladder", "rail: the heuristic it shadows ('ladder': its first legal rung; 'rti': the rubric hint).")
     mode: str = F(SETTING, "rail: the starting mode, 'shadow' (the heuristic acts until the bandit is promoted) or 'live'.")
     epsilon: float = F(SETTING, "rail: the bandit's epsilon-greedy exploration when live.")
