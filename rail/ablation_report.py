@@ -2,7 +2,9 @@
 ``summary.json`` and ``metrics.jsonl``: ``report.md``, ``report.json`` and PNG figures, written into the
 ablation directory and logged to its MLflow parent run. Every field is defined in docs/ablation.md.
 
-Torch-free; matplotlib (Agg backend) draws the figures, scipy gives the t-intervals over seeds.
+This module reads the runs, aggregates them and pairs the arms; the figures are drawn by
+:mod:`rail.report_figures` (matplotlib, Agg backend), the markdown written by :mod:`rail.report_markdown`, and
+both share :mod:`rail.report_common` (scipy gives the t-intervals over seeds). Torch-free.
 """
 
 from __future__ import annotations
@@ -16,43 +18,19 @@ from typing import Any
 import numpy as np
 
 from rail import adaptivity
+from rail.report_common import SHIFT_FIELDS, mean, t_interval
+from rail.report_figures import draw_figures
+from rail.report_markdown import format_markdown
 
 FIXED = ("none", "dapo", "rti", "actguide", "ladder", "random")  # the fixed controllers (rail/controllers.py)
 STEP_TIMES = ("time/generate_s", "time/score_s", "time/controller_s", "time/update_s")
 FIGURES = ("learning_curves.png", "final_beyond.png", "choices.png", "how_many.png", "choices_by_level.png")
 
 
-# ---------------------------------------------------------------------------- statistics
-def t_interval(values, alpha: float = 0.05) -> list[float] | None:
-    """Two-sided (1 - alpha) t-interval of the mean over seeds; [x, x] for one value; None for none."""
-    v = [float(x) for x in values if x is not None and math.isfinite(x)]
-    if not v:
-        return None
-    m = float(np.mean(v))
-    if len(v) < 2:
-        return [m, m]
-    from scipy import stats
-
-    half = float(stats.t.ppf(1 - alpha / 2, len(v) - 1) * np.std(v, ddof=1) / math.sqrt(len(v)))
-    return [m - half, m + half]
-
-
-def _mean(values) -> float | None:
-    v = [float(x) for x in values if x is not None and math.isfinite(x)]
-    return float(np.mean(v)) if v else None
-
-
+# ---------------------------------------------------------------------------- statistics (rail/report_common.py)
 def _level_mean(success: dict, levels) -> float:
     vals = [rates[str(lv)] for rates in success.values() for lv in levels if str(lv) in rates]
     return float(np.mean(vals)) if vals else float("nan")
-
-
-def _smooth(y: np.ndarray, w: int) -> np.ndarray:
-    if w <= 1 or len(y) < w:
-        return y
-    k = np.ones(w) / w
-    pad = np.concatenate([np.full(w // 2, y[0]), y, np.full(w - 1 - w // 2, y[-1])])
-    return np.convolve(pad, k, mode="valid")
 
 
 # ---------------------------------------------------------------------------- reading runs
@@ -195,10 +173,10 @@ def _aggregate_curve(seed_runs: dict[int, dict]) -> dict:
                             "beyond_ci": []}
     for st in steps:
         idx = {sd: r["curve"]["step"].index(st) for sd, r in seed_runs.items()}
-        out["budget_spent"].append(_mean(r["curve"]["budget_spent"][idx[sd]] for sd, r in seed_runs.items()))
+        out["budget_spent"].append(mean(r["curve"]["budget_spent"][idx[sd]] for sd, r in seed_runs.items()))
         for k in ("easy", "beyond"):
             vals = [r["curve"][k][idx[sd]] for sd, r in seed_runs.items()]
-            out[k].append(_mean(vals))
+            out[k].append(mean(vals))
             out[f"{k}_ci"].append(t_interval(vals))
     return out
 
@@ -263,35 +241,35 @@ def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
             "description": (state.get("arm_descriptions") or {}).get(arm, ""),
             "seeds": sorted(seed_runs),
             "n_seeds": len(rs),
-            "final_beyond": _mean(r["final_beyond"] for r in rs),
+            "final_beyond": mean(r["final_beyond"] for r in rs),
             "final_beyond_ci": t_interval([r["final_beyond"] for r in rs]),
-            "final_easy": _mean(r["final_easy"] for r in rs),
+            "final_easy": mean(r["final_easy"] for r in rs),
             "final_easy_ci": t_interval([r["final_easy"] for r in rs]),
-            "initial_beyond": _mean(r["initial_beyond"] for r in rs),
-            "initial_easy": _mean(r["initial_easy"] for r in rs),
-            "auc_beyond": _mean(r["auc_beyond"] for r in rs),
+            "initial_beyond": mean(r["initial_beyond"] for r in rs),
+            "initial_easy": mean(r["initial_easy"] for r in rs),
+            "auc_beyond": mean(r["auc_beyond"] for r in rs),
             "auc_beyond_ci": t_interval([r["auc_beyond"] for r in rs]),
             "budget_to_match_none": None,
             "budget_to_match_none_beyond": None,
-            "zero_variance_share": _mean(r["zero_variance_share"] for r in rs),
-            "acceptance": _mean(r["acceptance"] for r in rs),
-            "intervention_budget_share": _mean(r["intervention_budget_share"] for r in rs),
-            "wall_seconds": _mean(r["wall_seconds"] for r in rs),
-            "controller_overhead": _mean(r["controller_overhead"] for r in rs),
-            "budget_spent": _mean(r["budget_spent"] for r in rs),
+            "zero_variance_share": mean(r["zero_variance_share"] for r in rs),
+            "acceptance": mean(r["acceptance"] for r in rs),
+            "intervention_budget_share": mean(r["intervention_budget_share"] for r in rs),
+            "wall_seconds": mean(r["wall_seconds"] for r in rs),
+            "controller_overhead": mean(r["controller_overhead"] for r in rs),
+            "budget_spent": mean(r["budget_spent"] for r in rs),
             "rollouts_per_decision": rol / dec if dec else None,
             "choices": {k: {"decisions": v["total_decisions"], "rollouts": v["total_rollouts"]}
                         for k, v in ch["by_key"].items()},
-            "final_beyond_cells": {c: _mean(r["final_beyond_cells"].get(c) for r in rs)
+            "final_beyond_cells": {c: mean(r["final_beyond_cells"].get(c) for r in rs)
                                    for c in dict.fromkeys(c for r in rs for c in r["final_beyond_cells"])},
             "choices_by_cell": cells["totals"],
-            "steps_to_follow": _mean(follow),
+            "steps_to_follow": mean(follow),
             "steps_to_follow_ci": t_interval(follow),
             "steps_to_follow_never": sum(1 for r in rs if r["choices_after_shift"] and r["steps_to_follow"] is None),
-            "shift_initial": _mean(r["shift_initial"] for r in rs),
-            "shift_final": _mean(r["shift_final"] for r in rs),
+            "shift_initial": mean(r["shift_initial"] for r in rs),
+            "shift_final": mean(r["shift_final"] for r in rs),
             "shift_final_ci": t_interval(_defined(rs, "shift_final")),
-            "shift_auc": _mean(r["shift_auc"] for r in rs),
+            "shift_auc": mean(r["shift_auc"] for r in rs),
             "shift_auc_ci": t_interval(_defined(rs, "shift_auc")),
             "per_seed": {str(sd): {k: r[k] for k in ("final_easy", "final_beyond", "final_beyond_cells", "auc_beyond",
                                                     "zero_variance_share", "acceptance", "wall_seconds",
@@ -376,11 +354,7 @@ def _paired(A: dict, B: dict, field: str) -> tuple[float | None, list[float] | N
     seeds) and the seeds: all arms of a seed share task streams, so the comparison is paired."""
     seeds = [s for s in A["seeds"] if s in B["seeds"]]
     d = [A["per_seed"][str(s)][field] - B["per_seed"][str(s)][field] for s in seeds]
-    return _mean(d), (t_interval(d) if len(d) >= 2 else None), seeds
-
-
-def _ci(ci) -> str:
-    return "–" if not ci else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+    return mean(d), (t_interval(d) if len(d) >= 2 else None), seeds
 
 
 # ---------------------------------------------------------------------------- against plain GRPO
@@ -461,10 +435,7 @@ def _paired_defined(A: dict, B: dict, field: str) -> tuple[float | None, list[fl
     seeds = [s for s in A["seeds"] if s in B["seeds"] and A["per_seed"][str(s)].get(field) is not None
              and B["per_seed"][str(s)].get(field) is not None]
     d = [A["per_seed"][str(s)][field] - B["per_seed"][str(s)][field] for s in seeds]
-    return _mean(d), (t_interval(d) if len(d) >= 2 else None), seeds
-
-
-SHIFT_FIELDS = ("shift_final", "shift_auc", "steps_to_follow")
+    return mean(d), (t_interval(d) if len(d) >= 2 else None), seeds
 
 
 def after_shift(rep: dict, reference: str = "ladder") -> dict | None:
@@ -596,439 +567,6 @@ def compare(rep: dict, learned: str = "rail") -> dict:
         lines.append("Not compared (no finished run): " + ", ".join(f"`{a}`" for a in missing) + ".")
     out["text"] = " ".join(lines)
     return out
-
-
-# ---------------------------------------------------------------------------- figures
-def _by_operator(series: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Per-key series summed per operator (:func:`rail.adaptivity.operator`): the figures colour operators,
-    whatever the temperature."""
-    out: dict[str, np.ndarray] = {}
-    for k, v in series.items():
-        op = adaptivity.operator(k)
-        out[op] = out.get(op, 0) + np.asarray(v, dtype=float)
-    return out
-
-
-def _colors(names: list[str]) -> dict[str, Any]:
-    import matplotlib
-
-    # distinct hues first (tab10, then Dark2, then Set3), never two shades of one hue side by side (the choice maps
-    # show a share as lightness); no greys: the choice maps draw "no group of the cell" in grey
-    cmaps = [matplotlib.colormaps[m] for m in ("tab10", "Dark2", "Set3")]
-    palette = [c for cm in cmaps for c in (cm(i) for i in range(cm.N)) if max(c[:3]) - min(c[:3]) > 0.05]
-    return {a: palette[i % len(palette)] for i, a in enumerate(names)}
-
-
-def draw_figures(rep: dict, root: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    arms, order = rep["arms"], rep["arms_order"]
-    col = _colors(order)
-    written = []
-    levels = rep.get("levels", {})
-    n_seeds = max((arms[a]["n_seeds"] for a in order), default=0)
-
-    # learning curves: beyond and easy held-out success against budget spent
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharex=True)
-    for ax, k, title in ((axes[0], "beyond", f"beyond the boundary (levels {levels.get('beyond')})"),
-                         (axes[1], "easy", f"easy levels {levels.get('easy')}")):
-        for a in order:
-            c = arms[a]["curve"]
-            x = np.array(c["budget_spent"], dtype=float)
-            y = np.array([np.nan if v is None else v for v in c[k]], dtype=float)
-            ax.plot(x, y, marker="o", ms=3, lw=2 if a == "rail" else 1.3, color=col[a], label=a)
-            ci = c[f"{k}_ci"]
-            if arms[a]["n_seeds"] >= 2 and all(ci):
-                ax.fill_between(x, [v[0] for v in ci], [v[1] for v in ci], color=col[a], alpha=0.12, lw=0)
-        top = max([v for a in order for v in arms[a]["curve"][k] if v is not None]
-                  + [iv[1] for a in order for iv in arms[a]["curve"][f"{k}_ci"] if iv] + [0.0])
-        ax.set_ylim(-0.02, max(0.05, 1.1 * top))
-        ax.set_title(f"held-out unguided success, {title}")
-        ax.set_xlabel(f"budget spent ({_unit(rep)})")
-        ax.set_ylabel("success (pass@1)")
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8, ncol=2, loc="best")
-    band = "mean over seeds, 95% t-band" if n_seeds >= 2 else "one seed"
-    fig.suptitle(f"ablation {rep.get('ablation')}: learning curves ({band})")
-    fig.tight_layout()
-    fig.savefig(root / "learning_curves.png", dpi=110)
-    plt.close(fig)
-    written.append("learning_curves.png")
-
-    # final beyond success per arm with its interval
-    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(order) + 2), 4))
-    means = [np.nan if arms[a]["final_beyond"] is None else arms[a]["final_beyond"] for a in order]
-    cis = [arms[a]["final_beyond_ci"] or [m, m] for a, m in zip(order, means)]
-    lo = [m - c[0] for m, c in zip(means, cis)]
-    hi = [c[1] - m for m, c in zip(means, cis)]
-    ax.bar(range(len(order)), means, yerr=[lo, hi], color=[col[a] for a in order], capsize=4)
-    init = _mean(arms[a]["initial_beyond"] for a in order)
-    if init is not None:
-        ax.axhline(init, color="k", lw=1, ls="--", label=f"initial ({init:.3f})")
-        ax.legend(fontsize=8)
-    tops = [c[1] for c in cis if c[1] is not None and np.isfinite(c[1])]
-    ax.set_ylim(0, max([0.05, *(1.15 * t for t in tops)]))
-    ax.set_xticks(range(len(order)), order, rotation=30, ha="right")
-    ax.set_ylabel("final success beyond the boundary")
-    ax.set_title(f"final held-out success beyond the boundary ({band})")
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(root / "final_beyond.png", dpi=110)
-    plt.close(fig)
-    written.append("final_beyond.png")
-
-    # the controller's choices: intervention rollouts per step, stacked by how@where (temperatures summed: one
-    # colour per operator, so the colours stay distinct; the tables keep every temperature apart)
-    active = [a for a in order if arms[a]["_choices_series"]["by_key"]]
-    per_arm = {a: _by_operator({k: v["rollouts"] for k, v in arms[a]["_choices_series"]["by_key"].items()})
-               for a in active}
-    use: dict[str, float] = {}  # the most used operators get the first, most distinct colours
-    for ops in per_arm.values():
-        for op, y in ops.items():
-            use[op] = use.get(op, 0.0) + float(y.sum())
-    kcol = _colors(sorted(use, key=lambda k: (-use[k], k)))
-    keys = sorted(use)
-    if active:
-        ncols = min(3, len(active))
-        nrows = math.ceil(len(active) / ncols)
-        fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.4 * nrows), squeeze=False, sharey=True)
-        for i, a in enumerate(active):
-            ax = axes[i // ncols][i % ncols]
-            ch = arms[a]["_choices_series"]
-            x = np.array(ch["step"])
-            w = max(1, len(x) // 15)
-            per_op = per_arm[a]
-            ks = [k for k in keys if k in per_op]
-            ys = [_smooth(per_op[k], w) for k in ks]
-            ax.stackplot(x, *ys, labels=ks, colors=[kcol[k] for k in ks], alpha=0.85)
-            ax.set_title(a)
-            ax.set_xlabel("training step")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            if i % ncols == 0:
-                ax.set_ylabel("intervention rollouts / step")
-            ax.grid(alpha=0.3)
-        for j in range(len(active), nrows * ncols):
-            axes[j // ncols][j % ncols].axis("off")
-        handles = [plt.Rectangle((0, 0), 1, 1, color=kcol[k]) for k in keys]
-        fig.legend(handles, keys, loc="lower center", ncol=min(5, len(keys)), fontsize=8)
-        fig.suptitle("where and how the controllers intervened (how@where; mean over seeds, smoothed)")
-        fig.tight_layout(rect=(0, 0.06 + 0.02 * math.ceil(len(keys) / 5), 1, 0.96))
-    else:
-        fig, ax = plt.subplots(figsize=(6, 3))
-        ax.text(0.5, 0.5, "no arm intervened", ha="center", va="center")
-        ax.axis("off")
-    fig.savefig(root / "choices.png", dpi=110)
-    plt.close(fig)
-    written.append("choices.png")
-
-    # how many: rollouts per decision, and the share of each step's budget spent on interventions
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4))
-    for a in order:
-        ch = arms[a]["_choices_series"]
-        x = np.array(ch["step"])
-        if not len(x):
-            continue
-        w = max(1, len(x) // 15)
-        if ch["by_key"]:
-            dec = np.sum([v["decisions"] for v in ch["by_key"].values()], axis=0)
-            rol = np.sum([v["rollouts"] for v in ch["by_key"].values()], axis=0)
-            ratio = np.where(dec > 0, rol / np.maximum(dec, 1e-9), np.nan)
-            axes[0].plot(x, ratio, marker=".", ls="-", lw=1.2, color=col[a], label=a)
-        axes[1].plot(x, _smooth(np.array(ch["intervention_budget_share"]), w), lw=1.3, color=col[a], label=a)
-    axes[0].set_title("how many: intervention rollouts per decision")
-    axes[0].set_ylabel("rollouts / decision")
-    axes[1].set_title("share of each step's budget spent on interventions")
-    axes[1].set_ylabel("intervention budget share")
-    for ax in axes:
-        ax.set_xlabel("training step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(root / "how_many.png", dpi=110)
-    plt.close(fig)
-    written.append("how_many.png")
-
-    _draw_choices_by_level(rep, root, plt, kcol)
-    written.append("choices_by_level.png")
-    return written
-
-
-def _draw_choices_by_level(rep: dict, root: Path, plt, kcol: dict) -> None:
-    """Per intervening arm, a map of family/level cells (rows) against training steps (columns, in bins of about
-    1/40 of the run): the colour of the how@where chosen most in the bin, as strong as the share of the cell's
-    groups intervened (white: none; grey: no group of that cell trained in the bin); the shift step dashed."""
-    from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
-
-    arms, order = rep["arms"], rep["arms_order"]
-    active = [a for a in order if any(sum(c["intervened"]) > 0 for c in arms[a]["_cells_series"]["series"].values())]
-    keys = sorted({adaptivity.operator(k) for a in active for c in arms[a]["_cells_series"]["series"].values()
-                   for k in c["keys"]})
-    fallback = _colors(keys)
-    for k in keys:
-        kcol.setdefault(k, fallback[k])
-    shift = rep.get("shift")
-    if not active:
-        fig, ax = plt.subplots(figsize=(6, 3))
-        ax.text(0.5, 0.5, "no arm intervened" if any(arms[a]["_cells_series"]["series"] for a in order) else
-                "no per family/level choices logged (choice/ metrics)", ha="center", va="center")
-        ax.axis("off")
-        fig.savefig(root / "choices_by_level.png", dpi=110)
-        plt.close(fig)
-        return
-    ncols = min(2, len(active))
-    nrows = math.ceil(len(active) / ncols)
-    names = _cell_order(c for a in active for c in arms[a]["_cells_series"]["series"])  # the same rows for every arm
-    n_cells = len(names)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(7 * ncols, (1.2 + 0.32 * n_cells) * nrows + 0.8), squeeze=False)
-    for i, a in enumerate(active):
-        ax = axes[i // ncols][i % ncols]
-        cs = arms[a]["_cells_series"]
-        steps = np.array(cs["step"], dtype=float)
-        w = max(1, math.ceil(len(steps) / 40))
-        bins = [slice(j, min(j + w, len(steps))) for j in range(0, len(steps), w)]
-        img = np.ones((len(names), len(bins), 3))
-        for r, c in enumerate(names):
-            ser = cs["series"].get(c)
-            if ser is None:  # no group of this cell in this arm's runs
-                img[r] = 0.85
-                continue
-            grp, itv = np.array(ser["groups"]), np.array(ser["intervened"])
-            dec = _by_operator(ser["keys"])
-            for j, b in enumerate(bins):
-                g = grp[b].sum()
-                if g <= 0:
-                    img[r, j] = 0.85
-                    continue
-                tot = {k: v[b].sum() for k, v in dec.items()}
-                top = max(tot, key=tot.get) if tot and max(tot.values()) > 0 else None
-                share = min(1.0, itv[b].sum() / g)
-                if top is not None and share > 0:
-                    img[r, j] = (1 - share) * np.ones(3) + share * np.array(kcol[top][:3])
-        x0 = steps[0] - 0.5 if len(steps) else 0
-        x1 = steps[-1] + 0.5 if len(steps) else 1
-        ax.imshow(img, aspect="auto", interpolation="nearest", extent=(x0, x1, len(names) - 0.5, -0.5))
-        ax.set_yticks(range(len(names)), names, fontsize=8)
-        ax.set_title(a)
-        ax.set_xlabel("training step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if shift is not None:
-            ax.axvline(shift["step"] - 0.5, color="k", ls="--", lw=1.2)
-    for j in range(len(active), nrows * ncols):
-        axes[j // ncols][j % ncols].axis("off")
-    handles = [Patch(color=kcol[k]) for k in keys] + [Patch(color=(0.85, 0.85, 0.85))]
-    fig.legend(handles, keys + ["no group of the cell"], loc="lower center", ncol=min(5, len(keys) + 1), fontsize=8)
-    fig.suptitle("what the controllers chose per family and level: colour = the how@where chosen most, strength = share "
-                 "of the cell's groups intervened" + (f" (dashed: task-mix shift at step {shift['step']})" if shift else ""),
-                 fontsize=9)
-    fig.tight_layout(rect=(0, 0.05 + 0.02 * math.ceil((len(keys) + 1) / 5), 1, 0.95))
-    fig.savefig(root / "choices_by_level.png", dpi=110)
-    plt.close(fig)
-
-
-def _unit(rep: dict) -> str:
-    return rep.get("budget", {}).get("unit") or "budget units"
-
-
-# ---------------------------------------------------------------------------- markdown
-def _f(v, nd: int = 3) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, float) and not math.isfinite(v):
-        return "–"
-    return f"{v:.{nd}f}"
-
-
-def format_markdown(rep: dict) -> str:
-    arms, order = rep["arms"], rep["arms_order"]
-    L = [f"# Ablation `{rep.get('ablation')}`", ""]
-    if rep.get("description"):
-        L += [rep["description"], ""]
-    seeds = rep["seeds"]
-    L += [f"Preset `{rep.get('preset')}`, seeds {seeds}, {len(order)} arms with results"
-          + (f" (from `{rep['config_file']}`)" if rep.get("config_file") else "") + ". Every arm gets the same "
-          "budget per step and, per seed, the same task streams; only controller and learner settings differ. "
-          f"Levels: easy {rep['levels'].get('easy')}, beyond the boundary {rep['levels'].get('beyond')} "
-          f"({rep.get('eval_tasks_beyond')} held-out tasks per evaluation beyond, {rep.get('eval_tasks_easy')} easy). "
-          "Field definitions: docs/ablation.md.", ""]
-    L += ["## Does `rail` beat the fixed heuristics beyond the boundary?", "", rep["verdict"]["text"], ""]
-    vs = rep["verdict"].get("vs", {})
-    if vs:
-        L += [f"Paired differences `{rep['verdict']['learned']}` − arm over seeds (95% t-interval with ≥ 2 seeds):", "",
-              "| arm | Δ final beyond | 95% CI | Δ AUC beyond | 95% CI | seeds |", "|---|---|---|---|---|---|"]
-        for f in [a for a in rep["arms_order"] if a in vs]:  # report order, also when read back from report.json
-            d = vs[f]
-            L.append(f"| `{f}` | {_f(d['final_beyond_diff'])} | {_ci(d['final_beyond_diff_ci'])} | "
-                     f"{_f(d['auc_beyond_diff'])} | {_ci(d['auc_beyond_diff_ci'])} | {len(d['paired_seeds'])} |")
-        L.append("")
-    vn = rep.get("versus_none")
-    if vn:
-        L += ["## Does any arm end higher than plain GRPO (`none`) beyond the boundary?", "", vn["text"], ""]
-        if vn["vs"]:
-            L += ["Paired differences arm − `none` over seeds (95% t-interval with ≥ 2 seeds):", "",
-                  "| arm | Δ final beyond | 95% CI | Δ final easy | 95% CI | seeds |", "|---|---|---|---|---|---|"]
-            for a in [a for a in rep["arms_order"] if a in vn["vs"]]:
-                d = vn["vs"][a]
-                L.append(f"| `{a}` | {_f(d['final_beyond_diff'])} | {_ci(d['final_beyond_diff_ci'])} | "
-                         f"{_f(d['final_easy_diff'])} | {_ci(d['final_easy_diff_ci'])} | {len(d['paired_seeds'])} |")
-            L.append("")
-    vl = rep.get("versus_learned")
-    if vl:
-        L += ["## The learned controller over other action spaces", "", vl["text"], "",
-              f"Paired differences arm − `{vl['learned']}` over seeds (95% t-interval with ≥ 2 seeds):", "",
-              "| arm | Δ final beyond | 95% CI | Δ AUC beyond | 95% CI | Δ final easy | 95% CI | seeds |",
-              "|---|---|---|---|---|---|---|---|"]
-        for a in [a for a in rep["arms_order"] if a in vl["vs"]]:
-            d = vl["vs"][a]
-            L.append(f"| `{a}` | {_f(d['final_beyond_diff'])} | {_ci(d['final_beyond_diff_ci'])} | "
-                     f"{_f(d['auc_beyond_diff'])} | {_ci(d['auc_beyond_diff_ci'])} | "
-                     f"{_f(d['final_easy_diff'])} | {_ci(d['final_easy_diff_ci'])} | {len(d['paired_seeds'])} |")
-        L.append("")
-    L += ["## Results per arm (means over seeds)", "",
-          "| arm | controller | seeds | final easy | final beyond | 95% CI | AUC beyond | budget to match none (easy) "
-          "| budget to match none (beyond) | zero-var share | acceptance | interv. share | rollouts/decision | wall s "
-          "| ctl overhead |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for a in order:
-        v = arms[a]
-        ci = v["final_beyond_ci"] or [float("nan")] * 2
-        match = "never" if v["budget_to_match_none"] is None else f"{v['budget_to_match_none']:.0f}"
-        beyond = v.get("budget_to_match_none_beyond")
-        match_b = "never" if beyond is None else f"{beyond:.0f}"
-        L.append(f"| `{a}` | {v['controller']} | {v['n_seeds']} | {_f(v['final_easy'])} | {_f(v['final_beyond'])} | "
-                 f"[{ci[0]:.3f}, {ci[1]:.3f}] | {_f(v['auc_beyond'])} | {match} | {match_b} | "
-                 f"{_f(v['zero_variance_share'])} | {_f(v['acceptance'])} | {_f(v['intervention_budget_share'])} | "
-                 f"{_f(v['rollouts_per_decision'], 2)} | {_f(v['wall_seconds'], 0)} | {_f(v['controller_overhead'], 4)} |")
-    b = rep["budget"]
-    spent = sorted({round(x) for x in b["per_arm"].values() if x is not None})
-    L += ["", f"Budget spent per run: {', '.join(map(str, spent))} "
-              f"({'the same for every arm' if b['equal'] else 'NOT the same for every arm'}). "
-              + (f"`none`'s final easy success, the target of 'budget to match none (easy)': {rep['none_final_easy']:.3f}"
-                 + (f"; its final success beyond the boundary, the target of 'budget to match none (beyond)': "
-                    f"{rep['none_final_beyond']:.3f}." if _finite(rep.get("none_final_beyond")) else ".")
-                 if rep.get("none_final_easy") is not None else "No `none` arm: 'budget to match none' is empty."), ""]
-    cells = list(dict.fromkeys(c for a in order for c in arms[a].get("final_beyond_cells", {})))
-    if cells:
-        L += ["## Final success beyond the boundary per family and level (means over seeds)", "",
-              "Where a difference comes from: each level beyond the boundary on its own (per-seed values in "
-              "report.json)" + (", with the paired mean difference from `none`" if "none" in arms else "") + ".", "",
-              "| arm | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
-        for a in order:
-            v = arms[a].get("final_beyond_cells", {})
-            row = []
-            for c in cells:
-                x = v.get(c)
-                d = None
-                if "none" in arms and a != "none" and x is not None:
-                    common = [sd for sd in arms[a]["seeds"] if sd in arms["none"]["seeds"]]
-                    diffs = [arms[a]["per_seed"][str(sd)].get("final_beyond_cells", {}).get(c, float("nan"))
-                             - arms["none"]["per_seed"][str(sd)].get("final_beyond_cells", {}).get(c, float("nan"))
-                             for sd in common]
-                    d = _mean(diffs) if diffs else None
-                row.append(_f(x, 2) + (f" ({d:+.2f})" if d is not None and np.isfinite(d) else ""))
-            L.append(f"| `{a}` | " + " | ".join(row) + " |")
-        L.append("")
-    L += ["## What the controllers chose", "", "| arm | how@where: decisions (rollouts), summed over training, mean over seeds |",
-          "|---|---|"]
-    for a in order:
-        ch = arms[a]["choices"]
-        if ch:
-            L.append(f"| `{a}` | " + ", ".join(f"{k}: {c['decisions']:.0f} ({c['rollouts']:.0f})"
-                                              for k, c in sorted(ch.items(), key=lambda kv: -kv[1]['rollouts'])) + " |")
-        else:
-            L.append(f"| `{a}` | no interventions |")
-    L.append("")
-    L += _markdown_by_cell(rep)
-    L += _markdown_shift(rep)
-    if rep["failed"]:
-        L += ["## Failed jobs", "", "| job | status | exit code | last stderr lines |", "|---|---|---|---|"]
-        for f in rep["failed"]:
-            tail = "<br>".join(_md_escape(x) for x in (f["stderr_tail"] or [f.get("error") or ""])[-5:])
-            L.append(f"| `{f['job']}` | {f['status']} | {f['returncode']} | {tail} |")
-        L.append("")
-    L += ["## Figures", ""]
-    for name, what in (("learning_curves.png", "held-out success against budget spent"),
-                       ("final_beyond.png", "final success beyond the boundary per arm"),
-                       ("choices.png", "intervention rollouts per step by how@where"),
-                       ("how_many.png", "rollouts per decision and intervention budget share per step"),
-                       ("choices_by_level.png", "share of groups intervened and the operator chosen most, per family "
-                                                "and level over training")):
-        if name in rep.get("figures", []):
-            L += [f"![{what}]({name})", ""]
-    return "\n".join(L)
-
-
-def _cell_order(labels) -> list[str]:
-    """Distinct ``"<family> L<level>"`` labels by family, then level."""
-    def key(c: str):
-        fam, _, lv = c.rpartition(" L")
-        return fam, int(lv) if lv.isdigit() else 0
-    return sorted(set(labels), key=key)
-
-
-def _markdown_by_cell(rep: dict) -> list[str]:
-    arms, order = rep["arms"], rep["arms_order"]
-    cells = _cell_order(c for a in order for c in arms[a].get("choices_by_cell", {}))
-    if not cells:
-        return []
-    L = ["## What the controllers chose per family and level", "",
-         "Share of the cell's groups intervened over training (pooled over steps and seeds) and the how@where chosen "
-         "most there; over time in `choices_by_level.png`.", "",
-         "| arm | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
-    for a in order:
-        by = arms[a].get("choices_by_cell", {})
-        row = []
-        for c in cells:
-            v = by.get(c)
-            if not v or v["intervened_share"] is None:
-                row.append("–")
-            else:
-                row.append(f"{v['intervened_share']:.2f}" + (f" {v['dominant']}" if v["dominant"] else ""))
-        L.append(f"| `{a}` | " + " | ".join(row) + " |")
-    return L + [""]
-
-
-def _markdown_shift(rep: dict) -> list[str]:
-    sh, arms, order = rep.get("shift"), rep["arms"], rep["arms_order"]
-    if sh is None:
-        return []
-    adv = rep.get("after_shift") or {}
-    L = [f"## After the task-mix shift at step {sh['step']}", "", adv.get("text", ""), "",
-         f"Steps to follow: steps after the shift until the controller's choice distribution on the new mix stays "
-         f"within {sh['tolerance']} (total variation) of its own steady state ({sh['steady_state']}), each step's "
-         f"distribution pooled over {sh['window']}; mean over the seeds that settled, \"never\" counting the others "
-         "(docs/metrics.md, Adaptivity).", ""]
-    ref = adv.get("reference")
-    head = "| arm | steps to follow | never (seeds) | success at the shift | final on the mix | 95% CI | AUC after | 95% CI |"
-    if ref:
-        head += f" Δ final − `{ref}` | 95% CI | Δ AUC − `{ref}` | 95% CI | Δ steps − `{ref}` | 95% CI |"
-    L += [head, "|" + "---|" * (head.count("|") - 1)]
-    for a in order:
-        v = arms[a]
-        row = (f"| `{a}` | {_f(v['steps_to_follow'], 1)} | {v['steps_to_follow_never']} | {_f(v['shift_initial'])} | "
-               f"{_f(v['shift_final'])} | {_ci(v['shift_final_ci'])} | {_f(v['shift_auc'])} | {_ci(v['shift_auc_ci'])} |")
-        if ref:
-            d = adv["vs"].get(a)
-            if d is None:
-                row += " – | – | – | – | – | – |"
-            else:
-                row += "".join(f" {_f(d[f'{f}_diff'], 1 if f == 'steps_to_follow' else 3)} | {_ci(d[f'{f}_diff_ci'])} |"
-                               for f in SHIFT_FIELDS)
-        L.append(row)
-    return L + [""]
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
-
-
-def _md_escape(s: str) -> str:
-    return s.replace("|", "\\|").replace("<", "&lt;")
 
 
 # ---------------------------------------------------------------------------- entry points
