@@ -6,7 +6,7 @@
 # Run: .venv/bin/python experiments/bench_rollout.py [--batch 64 128 256] [--steps 5] [--repeats 5]
 #      .venv/bin/python experiments/bench_rollout.py --only-step --steps 10 [--step-engine vllm] [--set controller.max_rounds=2] \
 #          [--model .cache/rail/warmstart/<key> --tool-format builtin]  (a step's rollouts, one warm-started model)
-#      .venv/bin/python experiments/bench_rollout.py --only-step --steps 8 --trace   (each step's stream timeline)
+#      .venv/bin/python experiments/bench_rollout.py --only-step --steps 8 --trace   (each step's stream timeline and chain of rounds)
 #      .venv/bin/python experiments/bench_rollout.py --skip-train --threads 1 --clock cpu --repeats 5  (shared machine)
 #      .venv/bin/python experiments/bench_rollout.py --engine transformers vllm --batch 64 128 --skip-train
 #      .venv/bin/python experiments/make_tiny_model.py /tmp/qwen75m --hidden 768 --layers 12 --heads 12 \
@@ -106,32 +106,66 @@ def transformers_rates(eng, model, reqs, params, repeats: int) -> dict:
             "tool_seconds": round(eng.stats.tool_seconds, 4), "mean_context": ctx}
 
 
-def trace_step(trainer, timeline: list) -> None:
-    """Record into ``timeline`` what a step's rollout stream does: ``+N`` (N episodes join), ``R:MS`` (a turn over R
-    open episodes took MS milliseconds), ``DN`` (the controller decided N interventions or refills)."""
-    make_stream, decide = trainer.engine.stream, trainer.controller.decide
+class StreamTrace:
+    """What a step's rollout stream does, recorded by wrapping the trainer's engine and controller.
 
-    def stream(*args, **kw):
-        st = make_stream(*args, **kw)
-        add, advance = st.add, st.advance
+    ``timeline``: ``+N`` (N episodes join), ``R:MS`` (a turn over R open episodes took MS milliseconds), ``DN`` (the
+    controller decided N interventions or refills). :meth:`chains` compares the turns the stream ran after the base
+    batch with the longest chain of one group's own rounds: each wave of requests that joined on a group lasts, for
+    that group, from the turn it joined to the turn its last episode ended, and a group's chain is the sum over its
+    waves. Were each group's next round started as soon as its own episodes ended (not when the whole round had),
+    the rounds would still take at least that chain.
+    """
 
-        def traced_add(requests):
-            timeline.append(f"+{len(requests)}")
-            return add(requests)
+    def __init__(self, trainer):
+        self.timeline: list[str] = []
+        self.spans: dict[int, list] = {}  # handle -> [wave, group, turn joined, turn ended]
+        make_stream, decide = trainer.engine.stream, trainer.controller.decide
 
-        def traced_advance():
-            rows, t = st.open, time.perf_counter()
-            ended = advance()
-            timeline.append(f"{rows}:{(time.perf_counter() - t) * 1000:.0f}")
-            return ended
-        st.add, st.advance = traced_add, traced_advance
-        return st
+        def stream(*args, **kw):
+            st = make_stream(*args, **kw)
+            add, advance = st.add, st.advance
+            self.timeline, self.spans, turn, waves = [], {}, [0], [0]
 
-    def traced_decide(*args, **kw):
-        out = decide(*args, **kw)
-        timeline.append(f"D{len(out)}")
-        return out
-    trainer.engine.stream, trainer.controller.decide = stream, traced_decide
+            def traced_add(requests):
+                self.timeline.append(f"+{len(requests)}")
+                handles = add(requests)
+                for h, r in zip(handles, requests):
+                    self.spans[h] = [waves[0], r.group, turn[0], None]
+                waves[0] += 1
+                return handles
+
+            def traced_advance():
+                rows, t = st.open, time.perf_counter()
+                ended = advance()
+                self.timeline.append(f"{rows}:{(time.perf_counter() - t) * 1000:.0f}")
+                turn[0] += 1
+                for h, _ in ended:
+                    self.spans[h][3] = turn[0]
+                return ended
+            st.add, st.advance = traced_add, traced_advance
+            return st
+
+        def traced_decide(*args, **kw):
+            out = decide(*args, **kw)
+            self.timeline.append(f"D{len(out)}")
+            return out
+        trainer.engine.stream, trainer.controller.decide = stream, traced_decide
+
+    def chains(self) -> dict:
+        """``turns_after_base`` (the turns from the base batch's end to the step's last) and ``longest_group_chain``."""
+        spans = [s for s in self.spans.values() if s[3] is not None]
+        base_end = max((s[3] for s in spans if s[0] == 0), default=0)
+        per: dict[tuple, list] = {}  # (wave, group) -> [first turn joined, last turn ended]
+        for wave, group, start, end in spans:
+            if wave > 0:
+                w = per.setdefault((wave, group), [start, end])
+                w[0], w[1] = min(w[0], start), max(w[1], end)
+        chain: dict = {}
+        for (_, group), (start, end) in per.items():
+            chain[group] = chain.get(group, 0) + end - start
+        return {"turns_after_base": max((s[3] for s in spans), default=0) - base_end,
+                "longest_group_chain": max(chain.values(), default=0)}
 
 
 def main() -> None:
@@ -229,17 +263,14 @@ def main() -> None:
     out = Path(tempfile.mkdtemp())
     (out / "config.json").write_text("{}")
     trainer = Trainer(cfg, out, show_progress=False)
-    timeline: list = []
-    if a.trace:
-        trace_step(trainer, timeline)
+    trace = StreamTrace(trainer) if a.trace else None
     split = {"generate": 0.0, "score": 0.0, "controller": 0.0, "update": 0.0}
     step_rollouts, one_batch = [], []
     for s in range(1, a.steps + 1):
-        timeline.clear()
         m = trainer.step(s)
-        if a.trace:
-            print(json.dumps({"step": s, "rollouts_s": round(m["time/rollouts_s"], 4),
-                              "timeline": " ".join(timeline)}), flush=True)
+        if trace is not None:
+            print(json.dumps({"step": s, "rollouts_s": round(m["time/rollouts_s"], 4), **trace.chains(),
+                              "timeline": " ".join(trace.timeline)}), flush=True)
         for k in split:
             split[k] += m[f"time/{k}_s"]
         # all of the step's rollouts (base, rounds, fill, scored) against the same number of fresh rollouts
