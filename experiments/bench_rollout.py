@@ -6,7 +6,7 @@
 # Run: .venv/bin/python experiments/bench_rollout.py [--batch 64 128 256] [--steps 5] [--repeats 5]
 #      .venv/bin/python experiments/bench_rollout.py --only-step --steps 10 [--step-engine vllm] [--set controller.max_rounds=2] \
 #          [--model .cache/rail/warmstart/<key> --tool-format builtin]  (a step's rollouts, one warm-started model)
-#      .venv/bin/python experiments/bench_rollout.py --only-step --steps 8 --trace   (each step's stream timeline and chain of rounds)
+#      .venv/bin/python experiments/bench_rollout.py --only-step --steps 10 --trace   (each step's stream timeline and chain of rounds)
 #      .venv/bin/python experiments/bench_rollout.py --skip-train --threads 1 --clock cpu --repeats 5  (shared machine)
 #      .venv/bin/python experiments/bench_rollout.py --engine transformers vllm --batch 64 128 --skip-train
 #      .venv/bin/python experiments/make_tiny_model.py /tmp/qwen75m --hidden 768 --layers 12 --heads 12 \
@@ -186,7 +186,8 @@ def main() -> None:
                     help="a config field, as rail train's --set (e.g. controller.max_rounds=2)")
     ap.add_argument("--trace", action="store_true",
                     help="with the training steps: print each step's stream timeline (requests joining, and every "
-                         "turn's open episodes and milliseconds) and the controller's decisions per round")
+                         "turn's open episodes and milliseconds, the controller's decisions per round) and its "
+                         "turns_after_base against longest_group_chain (StreamTrace)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1,
                     help="time the transformers engine and the raw decode this many times, alternately, and "

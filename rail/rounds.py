@@ -219,7 +219,8 @@ class Rounds:
 
     The fill does not wait for the last round: as soon as a round is decided, the fresh groups that the budget
     left over by what the controller could still spend (:meth:`Controller.reserve`) pays for start alongside the
-    round's interventions, so they are generated in the same batch; the rest is filled after the last round.
+    round's interventions, so they are generated in the same batch; the rest is filled after the last round, or
+    beside it when it is the last that ``max_rounds`` allows.
     """
 
     def __init__(self, controller, groups: list[Group], tasks: list, menu: Menu, budget, *, max_rounds: int,
