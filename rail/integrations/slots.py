@@ -8,12 +8,12 @@ A step over groups of ``g`` slots (docs/integrations.md, "Slots"):
    ``controller.Session`` respects), and the step's budget is the sum of the free slots;
 2. the controller's rounds, the ``decide`` / ``observe`` / ``feedback`` protocol of ``rail.controllers`` that rail's
    own training loop drives, each decision planned by :func:`rail.interventions.plan` through
-   :func:`rail.controllers.make_menu` (a decision runs when its rollouts fit the step's and its group's free
+   :func:`rail.rounds.make_menu` (a decision runs when its rollouts fit the step's and its group's free
    slots);
 3. whatever the rounds left is filled with more base rollouts of the same task;
 4. after the trainer's filters (``shift_rejected``), each rollout's ``status`` as rail's learner sets it, the
    controller's feedback (its rewards, trace lines and state) and the ``intervention/*`` metrics of
-   :func:`rail.train.intervention_metrics`.
+   :func:`rail.rounds.intervention_metrics`.
 """
 
 from __future__ import annotations
