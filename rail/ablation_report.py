@@ -349,12 +349,25 @@ def _eval_tasks(run: dict | None, which: str) -> int | None:
 
 
 # ---------------------------------------------------------------------------- paired comparisons
-def _paired(A: dict, B: dict, field: str) -> tuple[float | None, list[float] | None, list]:
-    """Mean of arm A's per-seed ``field`` minus arm B's over their common seeds, its t-interval (None under 2
+def _paired(A: dict, B: dict, field: str, defined: bool = False) -> tuple[float | None, list[float] | None, list]:
+    """Mean of arm A's per-seed ``field`` minus arm B's over their common seeds (with ``defined``, only those where
+    both arms have it: steps_to_follow is null where a controller never settled), its t-interval (None under 2
     seeds) and the seeds: all arms of a seed share task streams, so the comparison is paired."""
-    seeds = [s for s in A["seeds"] if s in B["seeds"]]
+    seeds = [s for s in A["seeds"] if s in B["seeds"] and not (defined and (
+        A["per_seed"][str(s)].get(field) is None or B["per_seed"][str(s)].get(field) is None))]
     d = [A["per_seed"][str(s)][field] - B["per_seed"][str(s)][field] for s in seeds]
     return mean(d), (t_interval(d) if len(d) >= 2 else None), seeds
+
+
+def _paired_fields(A: dict, B: dict, fields: tuple) -> dict:
+    """``<field>_diff`` and ``<field>_diff_ci`` (A − B, :func:`_paired`) for each of ``fields``, and the
+    ``paired_seeds``."""
+    out: dict[str, Any] = {}
+    seeds: list = []
+    for f in fields:
+        out[f"{f}_diff"], out[f"{f}_diff_ci"], seeds = _paired(A, B, f)
+    out["paired_seeds"] = seeds
+    return out
 
 
 # ---------------------------------------------------------------------------- against plain GRPO
@@ -369,10 +382,7 @@ def versus_none(rep: dict) -> dict:
     for a in rep["arms_order"]:
         if a == "none" or arms[a]["final_beyond"] is None:
             continue
-        db, db_ci, paired = _paired(arms[a], N, "final_beyond")
-        de, de_ci, _ = _paired(arms[a], N, "final_easy")
-        out["vs"][a] = {"final_beyond_diff": db, "final_beyond_diff_ci": db_ci,
-                        "final_easy_diff": de, "final_easy_diff_ci": de_ci, "paired_seeds": paired}
+        out["vs"][a] = _paired_fields(arms[a], N, ("final_beyond", "final_easy"))
     out["above_ci"] = [a for a, v in out["vs"].items() if v["final_beyond_diff_ci"] and v["final_beyond_diff_ci"][0] > 0]
     if not out["vs"]:
         out["text"] = "No comparison: `none` is the only finished arm."
@@ -406,12 +416,7 @@ def versus_learned(rep: dict) -> dict | None:
     L = arms[learned]
     out: dict[str, Any] = {"learned": learned, "vs": {}}
     for a in others:
-        db, db_ci, paired = _paired(arms[a], L, "final_beyond")
-        da, da_ci, _ = _paired(arms[a], L, "auc_beyond")
-        de, de_ci, _ = _paired(arms[a], L, "final_easy")
-        out["vs"][a] = {"final_beyond_diff": db, "final_beyond_diff_ci": db_ci, "auc_beyond_diff": da,
-                        "auc_beyond_diff_ci": da_ci, "final_easy_diff": de, "final_easy_diff_ci": de_ci,
-                        "paired_seeds": paired}
+        out["vs"][a] = _paired_fields(arms[a], L, ("final_beyond", "auc_beyond", "final_easy"))
     vs = out["vs"]
     above = [a for a in others if vs[a]["final_beyond_diff_ci"] and vs[a]["final_beyond_diff_ci"][0] > 0]
     below = [a for a in others if vs[a]["final_beyond_diff_ci"] and vs[a]["final_beyond_diff_ci"][1] < 0]
@@ -429,15 +434,6 @@ def versus_learned(rep: dict) -> dict | None:
 
 
 # ---------------------------------------------------------------------------- after a task-mix shift
-def _paired_defined(A: dict, B: dict, field: str) -> tuple[float | None, list[float] | None, list]:
-    """:func:`_paired` over the common seeds where both arms have ``field`` (steps_to_follow is null where a
-    controller never settled)."""
-    seeds = [s for s in A["seeds"] if s in B["seeds"] and A["per_seed"][str(s)].get(field) is not None
-             and B["per_seed"][str(s)].get(field) is not None]
-    d = [A["per_seed"][str(s)][field] - B["per_seed"][str(s)][field] for s in seeds]
-    return mean(d), (t_interval(d) if len(d) >= 2 else None), seeds
-
-
 def after_shift(rep: dict, reference: str = "ladder") -> dict | None:
     """With a task-mix shift: each arm's paired differences from ``reference`` (the minimal-intervention heuristic
     the learned controller shadows) in success on the shifted mix after the change and in steps_to_follow, and
@@ -463,7 +459,7 @@ def after_shift(rep: dict, reference: str = "ladder") -> dict | None:
                 continue
             d = {}
             for f in SHIFT_FIELDS:
-                m, ci, seeds = _paired_defined(arms[a], R, f)
+                m, ci, seeds = _paired(arms[a], R, f, defined=True)
                 d[f"{f}_diff"], d[f"{f}_diff_ci"], d[f"{f}_paired_seeds"] = m, ci, seeds
             out["vs"][a] = d
         learned = rep.get("verdict", {}).get("learned")
@@ -506,10 +502,7 @@ def compare(rep: dict, learned: str = "rail") -> dict:
         return out
     L = arms[learned]
     for f in fixed:
-        db, db_ci, paired = _paired(L, arms[f], "final_beyond")
-        da, da_ci, _ = _paired(L, arms[f], "auc_beyond")
-        out["vs"][f] = {"final_beyond_diff": db, "final_beyond_diff_ci": db_ci,
-                        "auc_beyond_diff": da, "auc_beyond_diff_ci": da_ci, "paired_seeds": paired}
+        out["vs"][f] = _paired_fields(L, arms[f], ("final_beyond", "auc_beyond"))
     vs = out["vs"]
     above = [f for f in fixed if (vs[f]["final_beyond_diff"] or 0.0) > 0]
     sig = [f for f in fixed if vs[f]["final_beyond_diff_ci"] and vs[f]["final_beyond_diff_ci"][0] > 0]

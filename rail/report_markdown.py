@@ -91,22 +91,7 @@ def format_markdown(rep: dict) -> str:
         L += ["## Final success beyond the boundary per family and level (means over seeds)", "",
               "Where a difference comes from: each level beyond the boundary on its own (per-seed values in "
               "report.json)" + (", with the paired mean difference from `none`" if "none" in arms else "") + ".", "",
-              "| arm | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
-        for a in order:
-            v = arms[a].get("final_beyond_cells", {})
-            row = []
-            for c in cells:
-                x = v.get(c)
-                d = None
-                if "none" in arms and a != "none" and x is not None:
-                    common = [sd for sd in arms[a]["seeds"] if sd in arms["none"]["seeds"]]
-                    diffs = [arms[a]["per_seed"][str(sd)].get("final_beyond_cells", {}).get(c, float("nan"))
-                             - arms["none"]["per_seed"][str(sd)].get("final_beyond_cells", {}).get(c, float("nan"))
-                             for sd in common]
-                    d = mean(diffs) if diffs else None
-                row.append(_f(x, 2) + (f" ({d:+.2f})" if d is not None and np.isfinite(d) else ""))
-            L.append(f"| `{a}` | " + " | ".join(row) + " |")
-        L.append("")
+              *_arm_table(order, cells, lambda a, c: _beyond_cell(arms, a, c)), ""]
     L += ["## What the controllers chose", "", "| arm | how@where: decisions (rollouts), summed over training, mean over seeds |",
           "|---|---|"]
     for a in order:
@@ -144,19 +129,33 @@ def _markdown_by_cell(rep: dict) -> list[str]:
         return []
     L = ["## What the controllers chose per family and level", "",
          "Share of the cell's groups intervened over training (pooled over steps and seeds) and the how@where chosen "
-         "most there; over time in `choices_by_level.png`.", "",
-         "| arm | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
-    for a in order:
-        by = arms[a].get("choices_by_cell", {})
-        row = []
-        for c in cells:
-            v = by.get(c)
-            if not v or v["intervened_share"] is None:
-                row.append("–")
-            else:
-                row.append(f"{v['intervened_share']:.2f}" + (f" {v['dominant']}" if v["dominant"] else ""))
-        L.append(f"| `{a}` | " + " | ".join(row) + " |")
-    return L + [""]
+         "most there; over time in `choices_by_level.png`.", ""]
+
+    def chosen(a: str, c: str) -> str:
+        v = arms[a].get("choices_by_cell", {}).get(c)
+        if not v or v["intervened_share"] is None:
+            return "–"
+        return f"{v['intervened_share']:.2f}" + (f" {v['dominant']}" if v["dominant"] else "")
+    return L + _arm_table(order, cells, chosen) + [""]
+
+
+def _arm_table(order: list[str], cells: list[str], text) -> list[str]:
+    """A table with a row per arm and a column per cell, ``text(arm, cell)`` in each."""
+    return (["| arm | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
+            + [f"| `{a}` | " + " | ".join(text(a, c) for c in cells) + " |" for a in order])
+
+
+def _beyond_cell(arms: dict, a: str, c: str) -> str:
+    """Arm ``a``'s final success beyond the boundary in cell ``c``, with its paired mean difference from ``none``."""
+    x = arms[a].get("final_beyond_cells", {}).get(c)
+    d = None
+    if "none" in arms and a != "none" and x is not None:
+        common = [sd for sd in arms[a]["seeds"] if sd in arms["none"]["seeds"]]
+        diffs = [arms[a]["per_seed"][str(sd)].get("final_beyond_cells", {}).get(c, float("nan"))
+                 - arms["none"]["per_seed"][str(sd)].get("final_beyond_cells", {}).get(c, float("nan"))
+                 for sd in common]
+        d = mean(diffs) if diffs else None
+    return _f(x, 2) + (f" ({d:+.2f})" if d is not None and np.isfinite(d) else "")
 
 
 def _markdown_shift(rep: dict) -> list[str]:

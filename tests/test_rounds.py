@@ -205,20 +205,17 @@ def test_rounds_never_exceed_the_budget_or_a_groups_capacity(world):
     assert [c.key[0] for c in calls][-1] == "fill" and {c.key[0] for c in calls[:-1]} == {"round"}
 
 
-def test_a_one_round_controllers_fill_runs_in_its_rounds_batch(world):
-    """rti decides once, so nothing is reserved for later rounds: the fresh groups the rest of the budget buys start
-    beside its round, and a synchronous driver generates both in one call; the budget is spent exactly."""
-    env, renderer, _ = world
-    cfg = _cfg("rti")
+def _step_with_fresh_groups(world, controller: str, total: int, max_rounds: int):
+    """The protocol over the five groups with a budget of ``total`` rollouts and fresh groups of 8 for the fill, every
+    generated rollout a failure; returns (groups, budget, the generate calls as (key, requests), the outcomes)."""
+    env, _, _ = world
+    cfg = _cfg(controller)
     groups = _groups(world)
     tasks = [("lookup", g.task) for g in groups]
-    ctl = CONTROLLERS["rti"](config=cfg)
+    ctl = CONTROLLERS[controller](config=cfg)
     ctl.begin_step(1, np.random.default_rng(0))
-    budget = StepBudget("rollouts", 40)
+    budget = StepBudget("rollouts", total)
     calls = []
-
-    def new_tasks(n, key):
-        return [("lookup", groups[0].task)] * n
 
     def generate(gen):
         calls.append((gen.key, len(gen.requests)))
@@ -234,8 +231,15 @@ def test_a_one_round_controllers_fill_runs_in_its_rounds_batch(world):
         return [RolloutRequest(task=tasks[i][1], env=None, system="", group=i) for i in idx for _ in range(k)]
 
     rounds = Rounds(ctl, groups, tasks, make_menu(cfg, {"lookup": env}, {"lookup": ToolRunner(env)}), budget,
-                    max_rounds=8, group_size=8, base_requests=requests, new_tasks=new_tasks)
-    ran = drive(rounds.protocol(), generate)
+                    max_rounds=max_rounds, group_size=8, base_requests=requests,
+                    new_tasks=lambda n, key: [("lookup", groups[0].task)] * n)
+    return groups, budget, calls, drive(rounds.protocol(), generate)
+
+
+def test_a_one_round_controllers_fill_runs_in_its_rounds_batch(world):
+    """rti decides once, so nothing is reserved for later rounds: the fresh groups the rest of the budget buys start
+    beside its round, and a synchronous driver generates both in one call; the budget is spent exactly."""
+    groups, budget, calls, ran = _step_with_fresh_groups(world, "rti", 40, max_rounds=8)
     hints = sum(len(o.trajectories) for o in ran)
     assert hints == 4 * 2  # groups 0 and 1: rti_how_many = 4 each (2 and 4 have successes, 3 too little capacity)
     assert calls == [(("round", 0), hints + 32)]  # the 32 left: four fresh groups of 8, beside the round
@@ -245,32 +249,7 @@ def test_a_one_round_controllers_fill_runs_in_its_rounds_batch(world):
 def test_the_fill_beside_the_last_allowed_round_takes_the_whole_rest(world):
     """With ``max_rounds`` = 1 no round follows the first, so the fill that starts beside it takes everything left,
     a smaller last group included: the step's rollouts after the base batch are one batch, never a serial tail."""
-    env, renderer, _ = world
-    cfg = _cfg("ladder")
     for total in range(40, 48):  # every remainder of a group of 8
-        groups = _groups(world)
-        tasks = [("lookup", g.task) for g in groups]
-        ctl = CONTROLLERS["ladder"](config=cfg)
-        ctl.begin_step(1, np.random.default_rng(0))
-        budget = StepBudget("rollouts", total)
-        calls = []
-
-        def generate(gen):
-            calls.append(gen.key)
-            out = []
-            for req in gen.requests:
-                tr = copy.copy(groups[0].base[-1])
-                tr.group, tr.reward = req.group, 0.0
-                out.append(tr)
-            return out
-
-        def requests(idx, k):
-            from policy.engine import RolloutRequest
-            return [RolloutRequest(task=tasks[i][1], env=None, system="", group=i) for i in idx for _ in range(k)]
-
-        rounds = Rounds(ctl, groups, tasks, make_menu(cfg, {"lookup": env}, {"lookup": ToolRunner(env)}), budget,
-                        max_rounds=1, group_size=8, base_requests=requests,
-                        new_tasks=lambda n, key: [("lookup", groups[0].task)] * n)
-        ran = drive(rounds.protocol(), generate)
-        assert ran and calls == [("round", 0)], (total, calls)
+        groups, budget, calls, ran = _step_with_fresh_groups(world, "ladder", total, max_rounds=1)
+        assert ran and [key for key, _ in calls] == [("round", 0)], (total, calls)
         assert budget.remaining < 2 and len(groups[-1].trajectories) >= 2
