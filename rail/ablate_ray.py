@@ -64,9 +64,13 @@ def job_resources(file_table: dict, num_cpus: float | None = None, num_gpus: flo
 
 # ---------------------------------------------------------------------------- on the worker node
 def _child_setup(parent: int, prctl) -> None:
-    """In the training process between fork and exec. Ray workers block SIGINT, which the child would inherit
-    and so ignore a cancel; and the child must die with its worker (killed, or its node gone) rather than go on
-    training unseen (Ray does the same for its own processes: ``set_kill_on_parent_death_linux``)."""
+    """In the training process between fork and exec. A cancel stops the child with SIGINT (:func:`_stop`), so
+    the child must act on it: Ray workers block SIGINT, and a worker of a Ray instance started by a driver that
+    ignores SIGINT (a shell's background job) ignores it too; both would be inherited. The child runs in its
+    worker's process group, which no terminal's Ctrl-C reaches, so restoring the default reaches only that
+    cancel. And the child must die with its worker (killed, or its node gone) rather than go on training unseen
+    (Ray does the same for its own processes: ``set_kill_on_parent_death_linux``)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if prctl is not None:
         prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

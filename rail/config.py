@@ -550,7 +550,7 @@ def check_shift(cfg: Config) -> None:
         raise ConfigError(f"env.shift_step = {e.shift_step}: must be >= 0 (0: no shift)")
     if not e.shift_step:
         if e.shift_levels or e.shift_families:
-            raise ConfigError(f"env.shift_levels / env.shift_families are set but env.shift_step = 0 (no shift); "
+            raise ConfigError("env.shift_levels / env.shift_families are set but env.shift_step = 0 (no shift); "
                               "set env.shift_step to the training step the new mix starts at")
         return
     if e.shift_step > cfg.run.steps:

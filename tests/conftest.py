@@ -1,4 +1,8 @@
-"""Test tiers for the optional dependencies.
+"""Test tiers for the optional dependencies, and the environment every test runs in.
+
+Variables that would send what the suite runs somewhere else (:data:`REDIRECTS`: an MLflow server or run, a Ray
+cluster) are removed from the environment before any test runs, so the suite's result does not depend on the
+shell it was started from; the processes tests start are set up by ``tests/processes.py``.
 
 A test marked ``vllm``, ``trl``, ``ray``, ``bfcl`` or ``verl`` is skipped when its extra is not installed (verl's:
 ``pip install --no-deps -r requirements-verl.txt``). CI sets
@@ -12,6 +16,9 @@ import importlib.util
 import os
 
 import pytest
+
+#: environment variables that redirect a run: MLflow's tracking server, experiment and run, Ray's cluster
+REDIRECTS = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID", "RAY_ADDRESS")
 
 #: tier -> the module its extra provides
 TIERS = {"vllm": "vllm", "trl": "trl", "ray": "ray", "bfcl": "bfcl_eval", "verl": "verl"}
@@ -29,6 +36,8 @@ def _required() -> set[str]:
 
 
 def pytest_configure(config) -> None:
+    for name in REDIRECTS:
+        os.environ.pop(name, None)
     required = _required()
     unknown = required - set(TIERS)
     if unknown:

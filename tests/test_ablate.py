@@ -10,18 +10,16 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from processes import RAIL, ROOT, launch, rail, wait_for
 from rail.ablate import MANAGED, dump_toml, load_ablation, plan_jobs, shared_view
 from rail.config import build_config
 from rail.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
-RAIL = [sys.executable, "-m", "rail.cli"]
 ABLATIONS = sorted((ROOT / "experiments" / "ablations").glob("*.toml"))
 CONTROLLERS = ROOT / "experiments" / "ablations" / "controllers.toml"
 REQUIRED = ("final_beyond", "final_beyond_ci", "final_easy", "auc_beyond", "budget_to_match_none",
@@ -37,9 +35,7 @@ def deep_merge(*dicts: dict) -> dict:
 
 
 def ablate(*args, cache: Path, timeout=600, **kw):
-    return subprocess.run([*RAIL, "ablate", *args, "--set", f"warmstart.cache_dir={cache}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kw)
+    return rail("ablate", *args, "--set", f"warmstart.cache_dir={cache}", timeout=timeout, **kw)
 
 
 def mlflow_runs(db: Path):
@@ -350,11 +346,10 @@ def test_rerun_skips_finished_resumes_killed_and_records_a_failed_arm(smoke_abla
         (ck / "manifest.json").unlink()
     dapo = out / "dapo" / "seed0"
     shutil.rmtree(dapo)
-    p = subprocess.Popen([*RAIL, "ablate", *args, "--set", f"warmstart.cache_dir={cache}"], cwd=ROOT,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    latest, deadline = dapo / "checkpoints" / "latest", time.time() + 240
-    while time.time() < deadline and not (latest.is_file() and latest.read_text().strip() == "step_000002"):
-        time.sleep(0.02)
+    p = launch([*RAIL, "ablate", *args, "--set", f"warmstart.cache_dir={cache}"], stdout=subprocess.DEVNULL,
+               stderr=subprocess.DEVNULL, new_session=True)
+    latest = dapo / "checkpoints" / "latest"
+    wait_for(lambda: latest.is_file() and latest.read_text().strip() == "step_000002", p, "dapo's checkpoint of step 2")
     os.killpg(p.pid, signal.SIGKILL)  # step 3 and the final evaluation are still to come
     p.wait()
     assert latest.is_file() and not (dapo / "summary.json").exists()

@@ -15,18 +15,16 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from processes import RAIL, ROOT, child_env, interrupt, launch, wait_for
 from rail.ablate import load_ablation
 from rail.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
-RAIL = [sys.executable, "-m", "rail.cli"]
 CONTROLLERS = ROOT / "experiments" / "ablations" / "controllers.toml"
 ARMS = "none,rail"  # 2 arms x 1 seed of the smoke preset
 MARK = "RAIL_TEST_RUN_MARK"
@@ -34,14 +32,14 @@ TIMING = re.compile(r"^time/|wall_seconds|^controller/seconds$|^seconds$")  # wh
 
 
 def start(*args, out: Path, cache: Path, db: Path | None, mark: str, backend="ray", extra=()) -> subprocess.Popen:
-    """`rail ablate` of the smoke controllers ablation on ARMS, in the background."""
+    """`rail ablate` of the smoke controllers ablation on ARMS, in the background, on two cores (both backends
+    then train with one thread per job, whatever the machine)."""
     cmd = [*RAIL, "ablate", "--config", str(CONTROLLERS), "--preset", "smoke", "--arms", ARMS, "--out", str(out),
            "--tracking-uri", f"sqlite:///{db}" if db else "", "--set", f"warmstart.cache_dir={cache}",
            "--backend", backend, *args, *extra]
     log = out.parent / f"{out.name}.{uuid.uuid4().hex[:6]}.log"
     with open(log, "w") as f:
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1", MARK: mark})
+        p = launch(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(**{MARK: mark}), cores=2)
     p.log = log
     return p
 
@@ -82,14 +80,10 @@ def gone(mark: str, timeout: float, also=()) -> dict[int, str]:
     return left
 
 
-def wait_for_checkpoint(run: Path, step: int, p: subprocess.Popen, timeout: float = 300) -> None:
+def wait_for_checkpoint(run: Path, step: int, p: subprocess.Popen) -> None:
     latest, want = run / "checkpoints" / "latest", f"step_{step:06d}"
-    deadline = time.time() + timeout
-    while time.time() < deadline and p.poll() is None:
-        if latest.is_file() and latest.read_text().strip() == want:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{run} never checkpointed {want} (rail ablate exit {p.poll()}):\n{output(p)[-3000:]}")
+    wait_for(lambda: latest.is_file() and latest.read_text().strip() >= want, p, f"{run} checkpointed {want}",
+             output=lambda: output(p))
 
 
 def flat(d: dict, pre: str = "") -> dict:
@@ -304,8 +298,8 @@ def test_ctrl_c_cancels_the_tasks_and_a_killed_ablation_resumes(both, tmp_path):
     wait_for_checkpoint(none, 2, p)
     before = marked(mark)
     assert any("rail.cli train" in cmd for cmd in before.values())
-    p.send_signal(signal.SIGINT)
-    assert p.wait(timeout=120) == 130, output(p)[-3000:]
+    interrupt(p)
+    assert p.wait(timeout=300) == 130, output(p)[-3000:]
     assert "interrupted; rerun the same `rail ablate` command" in output(p)
     assert gone(mark, 30, before) == {}
     state = json.loads((out / "ablation.json").read_text())

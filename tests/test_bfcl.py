@@ -5,15 +5,13 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
-import os
-import subprocess
-import sys
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from processes import rail
 from rail.config import ConfigError, build_config
 from rail.envs import Action, ToolRunner, make_env, rubric_status
 
@@ -249,9 +247,8 @@ def test_smoke_training_run_on_bfcl(tiny_bfcl_model, tmp_path):
             "warmstart.batch_size=4", "budget.rollouts_per_step=8", "run.steps=1", "eval.tasks_per_level=1",
             "eval.levels=[2, 3]", "rollout.max_tokens_per_turn=16", "learner.rehearsal_batch=2",
             "learner.minibatch_size=8"]
-    r = subprocess.run([sys.executable, "-m", "rail.cli", "train", "--preset", "smoke", "--out", str(out),
-                        "--tracking-uri", "", "--no-progress", *[x for s in sets for x in ("--set", s)]],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = rail("train", "--preset", "smoke", "--out", str(out), "--tracking-uri", "", "--no-progress",
+             *[x for s in sets for x in ("--set", s)], timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["eval"]["final"]) == {"bfcl/base"} and summary["steps"] == 1

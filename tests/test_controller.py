@@ -234,13 +234,12 @@ def test_trace_evaluation_and_corrupt_traces(tmp_path):
 def test_example_trainer_loop_runs_and_resumes(tmp_path):
     """The documented example of another trainer driving the controller's seam runs, checkpoints mid-way and
     keeps its trace in learn order across the restart."""
-    import subprocess
     import sys
-    from pathlib import Path
 
-    script = Path(__file__).parents[1] / "experiments" / "custom_trainer_example.py"
-    res = subprocess.run([sys.executable, str(script), "--steps", "30", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    from processes import ROOT, run
+
+    script = ROOT / "experiments" / "custom_trainer_example.py"
+    res = run([sys.executable, str(script), "--steps", "30", "--out", str(tmp_path)], timeout=120)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     events = T.read(tmp_path / "traces" / "decisions.dsjson")

@@ -4,21 +4,19 @@ parts, named calls parsed without evaluation, and a smoke run on experiments/my_
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
+from processes import rail
 from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
 from policy.model import build_tiny_model
 from policy.records import Guidance, Origin
 from policy.tokenizer import ChatRenderer, build_word_tokenizer
 from rail.config import ConfigError, build_config, parse_set
-from rail.envs import Action, RubricItem, Step, Task, ToolRunner, check_family, make_env, rubric_status
+from rail.envs import Action, RubricItem, Task, ToolRunner, check_family, make_env, rubric_status
 from rail.envs.toolcalls import check_arguments, function_schema, get_format, parse_python_call
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,8 +24,7 @@ CIPHER = "experiments.my_env:CipherEnv"
 
 
 def cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "rail.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return rail(*args, timeout=timeout)
 
 
 # ---------------------------------------------------------------------------- import paths and options

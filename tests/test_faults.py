@@ -16,15 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from processes import RAIL, ROOT, child_env, launch, rail, wait_for
 from rail.config import Config, ConfigError, build_config, parse_set
 
-ROOT = Path(__file__).resolve().parents[1]
-RAIL = [sys.executable, "-m", "rail.cli"]
 
 
 def cli(*args, cwd=None, env=None, timeout=300):
-    return subprocess.run([*RAIL, *args], cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    return rail(*args, cwd=cwd, env=child_env(**(env or {})), timeout=timeout)
 
 
 def one_line_error(r, *needles, rc=None):
@@ -193,11 +191,11 @@ def test_mlflow_connection_refused_is_a_disabled_tracker_not_a_stall():
 
     from rail.tracking import MlflowTracker
 
-    with socket.socket() as s:  # a port nobody listens on
+    with socket.socket() as s:  # a port held, never listened on: a connection is refused, whatever else runs here
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.warns(UserWarning, match="MLflow tracking disabled"):
-        t = MlflowTracker(f"http://127.0.0.1:{port}", "rail", "x")
+        with pytest.warns(UserWarning, match="MLflow tracking disabled"):
+            t = MlflowTracker(f"http://127.0.0.1:{port}", "rail", "x")
     assert not t.ok and str(port) in t.error
     t.log_metrics({"a": 1.0}, 1)  # a no-op now
 
@@ -205,17 +203,13 @@ def test_mlflow_connection_refused_is_a_disabled_tracker_not_a_stall():
 # ---------------------------------------------------------------------------- killed before its first checkpoint
 def test_killed_before_its_first_checkpoint_resumes_and_restarts(tmp_path, ws_cache, finished):
     import signal
-    import time
 
     from rail.rundir import has_checkpoint
     from rail.train import start_run
 
     killed = tmp_path / "killed"
-    p = subprocess.Popen([*RAIL, *small_args(killed, ws_cache)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while not (killed / "config.json").exists() and time.time() < deadline and p.poll() is None:
-        time.sleep(0.02)
+    p = launch([*RAIL, *small_args(killed, ws_cache)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: (killed / "config.json").exists(), p, "the run's config.json")
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     assert (killed / "config.json").exists() and not has_checkpoint(killed)

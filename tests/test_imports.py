@@ -13,7 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from processes import ROOT, run
+
 PACKAGES = ("rail", "policy", "controller")
 HEAVY = ("torch", "transformers")
 
@@ -124,7 +125,7 @@ def modules_path(mod: str) -> str:
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return run([sys.executable, "-c", code], timeout=120)
 
 
 def _heavy_after(code: str) -> str:

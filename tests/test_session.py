@@ -6,13 +6,12 @@ continuity. Nothing here imports rail or policy."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from processes import run
 from controller import Option, Rollout, Group, Session, SessionSettings, Settings, branch_source
 from controller import reward as R
 from controller import traces as T
@@ -46,7 +45,7 @@ def events(tmp_path) -> list[dict]:
 def test_seam_imports_neither_torch_nor_rail():
     code = ("import sys, controller.session; bad = [m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'rail', 'policy')]; assert not bad, bad")
-    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], capture_output=True, text=True)
+    r = run([sys.executable, "-c", code])
     assert r.returncode == 0, r.stderr
 
 
@@ -300,8 +299,7 @@ def test_the_documented_loop_runs(tmp_path):
     (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
     script = tmp_path / "loop.py"
     script.write_text(code.replace("/tmp/toy", str(tmp_path / "toy")))
-    r = subprocess.run([sys.executable, str(script)], cwd=Path(__file__).parents[1], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    r = run([sys.executable, str(script)], timeout=120)
     assert r.returncode == 0, r.stderr
     events = T.read(tmp_path / "toy" / "traces" / "decisions.dsjson")
     assert len(events) >= 20 * 8 and Session.load(tmp_path / "toy" / "controller.json").ctl.learned == len(events)

@@ -8,18 +8,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from processes import RAIL, ROOT, launch, rail, run, wait_for
 from rail.budget import BudgetExceeded, BudgetLedger, StepBudget
 from rail.config import Config, ConfigError, build_config, config_markdown, parse_set
-from rail.train import RunError, Trainer, start_run
+from rail.train import RunError, start_run
 
-ROOT = Path(__file__).resolve().parents[1]
-RAIL = [sys.executable, "-m", "rail.cli"]
 
 
 @pytest.fixture(scope="session")
@@ -34,8 +32,7 @@ def smoke(tmp_path: Path, cache_dir: str, *sets: str, uri: str = "") -> Config:
 
 
 def cli(*args, cwd=None, timeout=240):
-    return subprocess.run([*RAIL, *args], cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return rail(*args, cwd=cwd, timeout=timeout)
 
 
 # ---------------------------------------------------------------------------- config
@@ -185,15 +182,9 @@ def test_existing_run_directory_is_not_overwritten(tmp_path, cache_dir):
 
 # ---------------------------------------------------------------------------- checkpoints and resume
 def _kill_after_checkpoint(args: list[str], out: Path, step_name: str) -> None:
-    p = subprocess.Popen([*RAIL, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
+    p = launch([*RAIL, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     latest = out / "checkpoints" / "latest"
-    while time.time() < deadline:
-        if latest.exists() and latest.read_text().strip() >= step_name:
-            break
-        if p.poll() is not None:
-            pytest.fail("training ended before it could be killed")
-        time.sleep(0.05)
+    wait_for(lambda: latest.exists() and latest.read_text().strip() >= step_name, p, f"the checkpoint {step_name}")
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
 
@@ -324,7 +315,7 @@ def test_dependency_direction():
         "import sys, rail.cli, rail.config; assert 'torch' not in sys.modules",
     ]
     for code in checks:
-        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+        r = run([sys.executable, "-c", code])
         assert r.returncode == 0, (code, r.stderr)
 
 

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from processes import RAIL, interrupt, launch, rail, wait_for
 from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
 from policy.records import Guidance, Origin
 from policy.reaper import process_tree
@@ -29,8 +29,6 @@ from rail.policy_setup import make_policy
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[1]
-RAIL = [sys.executable, "-m", "rail.cli"]
 #: float32 on CPU: the engine's log-probs matched a forward pass to ~1e-6 (docs/benchmarks.md)
 LOGPROB_TOL = 1e-4
 
@@ -219,9 +217,6 @@ def test_a_turn_larger_than_one_scheduler_step_samples(setup, engine):
     assert max(abs(a - b) for a, b in pairs) < LOGPROB_TOL
 
 
-def _cli(*args, timeout=600):
-    return subprocess.run([*RAIL, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def test_smoke_run_on_vllm_is_killed_resumed_and_leaves_no_process(tmp_path, setup):
@@ -231,13 +226,8 @@ def test_smoke_run_on_vllm_is_killed_resumed_and_leaves_no_process(tmp_path, set
             "--set", "rollout.engine='vllm'", "--set", "learner.old_logprobs='recompute'",
             "--set", f"warmstart.cache_dir='{cache}'", "--set", "run.steps=4", "--set", "run.checkpoint_every=2",
             "--set", "eval.every=100"]
-    p = subprocess.Popen([*RAIL, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
-    deadline = time.time() + 540
-    while not (out / "checkpoints" / "step_000002").exists():
-        assert p.poll() is None, "training ended before it could be killed"
-        assert time.time() < deadline, "no checkpoint within 9 minutes"
-        time.sleep(0.2)
+    p = launch([*RAIL, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, new_session=True)
+    wait_for(lambda: (out / "checkpoints" / "step_000002").exists(), p, "the checkpoint of step 2")
     everything = _descendants(p.pid)  # vLLM's engine core and worker, and the reaper
     assert len(everything) >= 2
     os.kill(p.pid, signal.SIGKILL)
@@ -247,7 +237,7 @@ def test_smoke_run_on_vllm_is_killed_resumed_and_leaves_no_process(tmp_path, set
         time.sleep(0.2)
     assert not [q for q in everything if _alive(q)], "SIGKILL left vLLM processes behind"
     assert not list(out.glob("rail-vllm-*")), "the engine's temporary weights outlived the run"
-    r = _cli("train", "--resume", str(out), "--no-progress")
+    r = rail("train", "--resume", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["steps"] == 4
@@ -258,24 +248,41 @@ def test_smoke_run_on_vllm_is_killed_resumed_and_leaves_no_process(tmp_path, set
     assert not list(out.glob("rail-vllm-*"))
 
 
+def logged_step(run: Path) -> int:
+    """The last training step ``run``'s metrics.jsonl holds whole (0: none yet)."""
+    path = run / "metrics.jsonl"
+    steps = [0]
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            steps.append(int(json.loads(line)["step"]))
+        except ValueError:  # the line being written
+            pass
+    return max(steps)
+
+
 def test_ctrl_c_stops_a_vllm_run_and_leaves_no_process(tmp_path, setup):
+    """A run far longer than the test (it can only end by the interrupt), interrupted once its first step is
+    logged: Ctrl-C reaches the whole process group, vLLM's engine core too; rail exits 130 and nothing is left."""
     *_, cache = setup
     out = tmp_path / "run"
-    p = subprocess.Popen([*RAIL, "train", "--preset", "smoke", "--tracking-uri", "", "--no-progress", "--out", str(out),
-                          "--set", "rollout.engine='vllm'", "--set", f"warmstart.cache_dir='{cache}'",
-                          "--set", "run.steps=50"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
-    deadline = time.time() + 540
-    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
-        assert p.poll() is None, p.stderr.read()[-3000:]
-        assert time.time() < deadline
-        time.sleep(0.2)
-    everything = _descendants(p.pid)
-    assert everything
-    os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground process group
-    rc = p.wait(timeout=120)
-    assert rc == 130
-    deadline = time.time() + 30
-    while any(_alive(q) for q in everything) and time.time() < deadline:
-        time.sleep(0.2)
-    assert not [q for q in everything if _alive(q)]
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as f:
+        p = launch([*RAIL, "train", "--preset", "smoke", "--tracking-uri", "", "--no-progress", "--out", str(out),
+                    "--set", "rollout.engine='vllm'", "--set", f"warmstart.cache_dir='{cache}'",
+                    "--set", "run.steps=100000", "--set", "eval.every=100000", "--set", "run.checkpoint_every=100000"],
+                   stdout=subprocess.DEVNULL, stderr=f, new_session=True)
+    try:
+        wait_for(lambda: logged_step(out) >= 1, p, "step 1 in metrics.jsonl", output=err.read_text)
+        everything = _descendants(p.pid)
+        assert everything
+        interrupt(p, group=True)  # what a terminal's Ctrl-C does: the whole foreground process group
+        rc = p.wait(timeout=300)
+        assert rc == 130, err.read_text()[-3000:]
+        deadline = time.time() + 60
+        while any(_alive(q) for q in everything) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not [q for q in everything if _alive(q)]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

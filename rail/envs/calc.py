@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from rail.envs.base import (ERR_ANSWER_ARITY, ERR_MALFORMED, ERR_TOOL, Action, ProceduralEnv, RubricItem,
-                            Step, Task, is_held_out, words)
+                            Step, Task, words)
 from rail.envs.toolcalls import function_schema
 
 OPS = ("+", "-", "*")
