@@ -100,21 +100,6 @@ def _pointer(root: Path) -> str | None:
     return name if STEP_DIR.fullmatch(name) else None
 
 
-def latest_checkpoint(root: Path) -> Path:
-    """The directory ``latest`` names; a clear error when there is none, or when it names anything but a
-    checkpoint directory of ``root``."""
-    pointer = root / "latest"
-    if not pointer.is_file():
-        raise CheckpointError(f"{root}: no checkpoint found (no 'latest' file); nothing to resume from")
-    name = _pointer(root)
-    if name is None:
-        raise CheckpointError(f"{pointer}: does not name a checkpoint of this run (expected step_NNNNNN)")
-    path = root / name
-    if not path.is_dir():
-        raise CheckpointError(f"{pointer} names {name}, which does not exist; the checkpoint is missing")
-    return path
-
-
 def find_checkpoint(root: Path, accept: Callable[[Path, dict], None] | None = None) -> tuple[Path, dict, list[str]]:
     """The newest checkpoint under ``root`` that verifies and that ``accept(path, state)`` does not refuse
     (by raising :class:`CheckpointError`): ``(directory, its state.json, why each newer one was passed over)``.

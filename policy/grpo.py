@@ -37,6 +37,8 @@ token. Values at masked-out positions never reach a result or a gradient (they a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -101,29 +103,6 @@ def group_advantages(rewards: Tensor, group_index: Tensor, scale: str = "std", e
         std = torch.sqrt(ss / (count - 1).clamp(min=1))  # (N,) unbiased
         adv = adv / (std + eps)
     return torch.where(count > 1, adv, torch.zeros_like(adv))  # (N,)
-
-
-def zero_variance_mask(rewards: Tensor, group_index: Tensor, tol: float = 1e-3) -> Tensor:
-    """True for every member of a group whose rewards are (numerically) all equal.
-
-    ``mask_i = std_pop(r_g) < tol`` with the population (``n``) standard deviation. Such groups give every
-    member the same (zero) advantage, so DAPO's dynamic sampling (Yu et al. 2025) and TAO-RL drop them.
-    A single-member group has std 0 and is therefore marked.
-
-    Args:
-        rewards: (N,) rewards.
-        group_index: (N,) integer group ids.
-        tol: groups with population std strictly below this are marked.
-
-    Returns:
-        (N,) bool.
-    """
-    if not rewards.is_floating_point():
-        rewards = rewards.float()
-    if rewards.numel() == 0:
-        return torch.zeros(0, dtype=torch.bool, device=rewards.device)
-    count, _, ss = _group_stats(rewards, group_index)  # (N,) each
-    return torch.sqrt(ss / count) < tol  # (N,)
 
 
 # ---------------------------------------------------------------------------------------------- per token
@@ -288,140 +267,213 @@ def shift_measure(train_logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> T
     return torch.where(n > 0, diff.sum(dim=-1) / n.clamp(min=1), torch.zeros_like(diff[:, 0]))  # (B,)
 
 
-def ppo_clip_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, eps_low: float, eps_high: float,
-                  aggregation: str, max_tokens: int | None = None, ref_logp: Tensor | None = None,
-                  kl_coef: float = 0.0, offpolicy_mask: Tensor | None = None,
-                  shaping_gamma: float = 0.0, guided_sft: float = 0.0,
-                  sft_mask: Tensor | None = None,
-                  is_weight: Tensor | None = None,
-                  clip_ratio_c: float = 0.0) -> tuple[Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss with clip-higher, optional dual clip and an optional k3 KL penalty.
+# ---------------------------------------------------------------------------------------------- policy loss
+# One function per term, each checkable against its paper on its own; :func:`policy_loss` composes them in one
+# place, in this order (the order matters: dual clip caps the clipped term, shaping replaces it on guided
+# tokens, the IS weight scales what is left, then the SFT and KL terms are added).
 
-    ``rho_t = exp(clamp(logp_t - old_logp_t, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))``
-    ``l_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t)``   (PPO, Schulman et al. 2017;
-    asymmetric bounds = clip-higher, DAPO, Yu et al. 2025)
-    ``l_t = min(l_t, -c A_t)`` where ``A_t < 0``, when ``clip_ratio_c = c > 1``   (dual clip, Ye et al. 2020;
-    ``c = 0``: off)
-    ``l_t += kl_coef * k3(logp_t, ref_logp_t)``   when ``ref_logp`` is given and ``kl_coef > 0`` (GRPO)
-    ``loss = aggregate(l, mask, aggregation, max_tokens)``
 
-    With ``shaping_gamma > 0``, tokens in ``offpolicy_mask`` (sampled under guidance) use LUFFY's policy
-    shaping instead: ``l_t = -f(pi_t) A_t`` with ``f(pi) = pi / (pi + gamma)``, ``pi_t = exp(logp_t)``, no
-    clipping; it keeps the gradient of low-probability guided tokens from vanishing.
-
-    With ``guided_sft = beta > 0``, tokens in ``sft_mask`` (the learner passes ``offpolicy_mask``: sampled under
-    guidance the training context strips) of a trajectory that did better than its group (``A > 0``) also get
-    a supervised term, ``l_t += -beta log pi_t``: STaR's rationalization (Zelikman et al. 2022) -- a success
-    found with the guidance is fine-tuned on in the context without it, at full weight whatever its probability
-    there (the shaped or clipped term's gradient on a token the stripped context finds unlikely is a fraction of
-    that). Such a token is a sample of the guided policy, so this is a one-sample estimate of the forward KL
-    from the guided to the unguided policy on successes: context distillation of what the guidance revealed.
-
-    With ``is_weight`` (B, T) (``learner.old_logprobs = "recompute"``: the truncated importance-sampling weight
-    ``min(pi_learner / pi_engine, C)`` of each sampled token, TRL's ``vllm_importance_sampling_correction``), the
-    policy-gradient term is multiplied by it: ``l_t = w_t * l_t`` (before the SFT and KL terms, as in TRL).
-
-    ``old_logp`` and ``ref_logp`` are treated as constants (detached). The gradient flows through ``logp``
-    only; a token whose clipped branch binds has zero policy-gradient.
-
-    Stats (python floats, no grad, over masked tokens; 0 when there are none):
-
-    * ``clip_frac``: share of tokens where the clipped branch is taken, ``clip_frac_low + clip_frac_high``;
-    * ``clip_frac_high``: ``A > 0`` and ``rho > 1 + eps_high``;
-    * ``clip_frac_low``: ``A < 0`` and ``rho < 1 - eps_low``;
-    * ``clip_frac_dual``: ``A < 0`` and the dual clip binds (``rho > c``; 0 when it is off);
-    * ``ratio_mean``, ``ratio_max``: of ``rho``;
-    * ``kl``: token mean of k3 (0 without a reference);
-    * ``pg_loss``: the policy-gradient part alone, aggregated like the loss.
+def ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """The importance ratio of every sampled token, ``rho_t = exp(clamp(logp_t - old_logp_t, -C, C))`` with
+    ``C = LOG_RATIO_CLAMP`` (verl's ``compute_policy_loss``); exactly 1 outside ``mask``. ``old_logp`` is a
+    constant (detached).
 
     Args:
         logp: (B, T) log-probabilities under the current policy (with grad).
         old_logp: (B, T) log-probabilities under the behaviour policy that sampled the tokens.
-        adv: (B, T) advantages.
-        mask: (B, T) bool or 0/1, trainable tokens.
-        eps_low, eps_high: the ratio is clipped to ``[1 - eps_low, 1 + eps_high]``.
-        aggregation: see :func:`aggregate`.
-        max_tokens: for ``aggregation="dr_grpo"``.
-        ref_logp: (B, T) reference-model log-probabilities, or None.
-        kl_coef: weight of the k3 penalty.
-        clip_ratio_c: the dual clip's ``c`` (> 1), or 0 for none.
+        mask: (B, T) bool or 0/1, the sampled tokens.
 
     Returns:
-        (loss, stats): a 0-dim tensor and a dict of floats.
+        (B, T) ratios.
     """
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {aggregation!r}; valid values: {', '.join(AGGREGATIONS)}")
-    if not (logp.shape == old_logp.shape == adv.shape == mask.shape):
-        raise ValueError(f"logp, old_logp, adv and mask must share a shape; got {tuple(logp.shape)}, "
-                         f"{tuple(old_logp.shape)}, {tuple(adv.shape)}, {tuple(mask.shape)}")
-    if eps_low < 0 or eps_high < 0:
-        raise ValueError(f"eps_low and eps_high must be >= 0; got {eps_low}, {eps_high}")
-    if clip_ratio_c != 0 and not clip_ratio_c > 1:
-        raise ValueError(f"clip_ratio_c must be > 1 (or 0: no dual clip); got {clip_ratio_c}")
-    sampled = _as_bool(mask)  # (B, T): tokens with a behaviour log-prob
-    m = sampled  # (B, T): every trained token
-    zeros = torch.zeros_like(logp)  # (B, T)
-    adv = adv.to(logp.dtype)
-    log_ratio = torch.where(sampled, logp - old_logp.detach().to(logp.dtype), zeros)  # (B, T)
-    log_ratio = torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T); exp stays finite in float32
-    ratio = torch.exp(log_ratio)  # (B, T); exactly 1 outside the mask
-    surr = ratio * adv  # (B, T)
-    surr_clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv  # (B, T)
-    pg = -torch.minimum(surr, surr_clipped)  # (B, T)
-    dual = None
-    if clip_ratio_c > 0:  # A < 0: the loss of a token is at most c |A| however far its ratio went
-        cap = -clip_ratio_c * adv  # (B, T)
-        dual = (adv < 0) & (pg > cap)  # (B, T)
-        pg = torch.where(dual, cap, pg)  # (B, T)
-    shaped = None
-    if shaping_gamma > 0 and offpolicy_mask is not None:
-        if offpolicy_mask.shape != logp.shape:
-            raise ValueError(f"offpolicy_mask must be (B, T) like logp; got {tuple(offpolicy_mask.shape)}")
-        shaped = m & _as_bool(offpolicy_mask)  # (B, T)
-        pi = torch.exp(torch.where(shaped, logp, zeros))  # (B, T)
-        pg = torch.where(shaped, -(pi / (pi + shaping_gamma)) * adv, pg)  # (B, T)
-    if is_weight is not None:
-        if is_weight.shape != logp.shape:
-            raise ValueError(f"is_weight must be (B, T) like logp; got {tuple(is_weight.shape)}")
-        pg = pg * is_weight.detach().to(logp.dtype)  # (B, T)
-    per_token = pg  # (B, T)
-    sft = None
-    if guided_sft < 0:
-        raise ValueError(f"guided_sft must be >= 0; got {guided_sft}")
-    if guided_sft > 0 and sft_mask is not None:
-        if sft_mask.shape != logp.shape:
-            raise ValueError(f"sft_mask must be (B, T) like logp; got {tuple(sft_mask.shape)}")
-        sft = sampled & _as_bool(sft_mask) & (adv > 0)  # (B, T)
-        per_token = per_token - guided_sft * torch.where(sft, logp, zeros)  # (B, T)
+    log_ratio = torch.where(_as_bool(mask), logp - old_logp.detach().to(logp.dtype), torch.zeros_like(logp))
+    return torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # (B, T); exp finite in float32
 
-    use_kl = ref_logp is not None
-    if use_kl:
-        if ref_logp.shape != logp.shape:
-            raise ValueError(f"ref_logp must be (B, T) like logp; got {tuple(ref_logp.shape)}")
-        ref = torch.where(m, ref_logp.detach().to(logp.dtype), logp.detach())  # (B, T): k3 = 0 off-mask
-        kl = k3_kl(logp, ref)  # (B, T)
-        if kl_coef > 0:
-            per_token = per_token + kl_coef * kl
 
-    loss = aggregate(per_token, m, aggregation, max_tokens)
+def clipped_surrogate(rho: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """PPO's clipped surrogate as a per-token loss (Schulman et al. 2017), with clip-higher's asymmetric bounds
+    (DAPO, Yu et al. 2025): ``l_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t)``. A token whose
+    clipped branch binds has zero gradient.
 
+    Args:
+        rho: (B, T) ratios (:func:`ratio`).
+        adv: (B, T) advantages.
+
+    Returns:
+        (B, T) per-token losses.
+    """
+    return -torch.minimum(rho * adv, torch.clamp(rho, 1.0 - eps_low, 1.0 + eps_high) * adv)  # (B, T)
+
+
+def dual_clip(pg: Tensor, adv: Tensor, c: float) -> tuple[Tensor, Tensor]:
+    """Dual-clip PPO (Ye et al. 2020; verl's ``clip_ratio_c``): where ``A_t < 0`` the loss is capped at
+    ``-c A_t = c |A_t|``, so one token whose ratio exploded cannot dominate the update.
+
+    Args:
+        pg: (B, T) per-token losses (:func:`clipped_surrogate`).
+        adv: (B, T) advantages.
+        c: the cap, > 1.
+
+    Returns:
+        (B, T) capped losses, and (B, T) bool where the cap binds.
+    """
+    cap = -c * adv  # (B, T)
+    binds = (adv < 0) & (pg > cap)  # (B, T)
+    return torch.where(binds, cap, pg), binds
+
+
+def luffy_shaping(logp: Tensor, adv: Tensor, gamma: float) -> Tensor:
+    """LUFFY's policy shaping for off-policy (guided) tokens (Yan et al. 2025), as a per-token loss without
+    clipping: ``l_t = -f(pi_t) A_t`` with ``f(pi) = pi / (pi + gamma)`` and ``pi_t = exp(logp_t)``; it keeps the
+    gradient of a guided token the policy finds unlikely from vanishing.
+
+    Args:
+        logp: (B, T) log-probabilities (with grad); only the positions the caller selects are meaningful.
+        adv: (B, T) advantages.
+        gamma: > 0.
+
+    Returns:
+        (B, T) per-token losses.
+    """
+    pi = torch.exp(logp)  # (B, T)
+    return -(pi / (pi + gamma)) * adv  # (B, T)
+
+
+def rationalization(logp: Tensor, adv: Tensor, guided: Tensor) -> tuple[Tensor, Tensor]:
+    """STaR's rationalization (Zelikman et al. 2022) as a per-token loss: ``l_t = -log pi_t`` on the guided tokens
+    (sampled under guidance the training context strips) of a rollout that did better than its group
+    (``A_t > 0``), 0 elsewhere. A success found with the guidance is fine-tuned on in the context without it at
+    full weight: a one-sample estimate of the forward KL from the guided to the unguided policy on successes.
+
+    Args:
+        logp: (B, T) log-probabilities in the training (stripped) context (with grad).
+        adv: (B, T) advantages.
+        guided: (B, T) bool, the sampled tokens that were sampled under guidance.
+
+    Returns:
+        (B, T) per-token losses, and (B, T) bool, the tokens it applies to.
+    """
+    on = guided & (adv > 0)  # (B, T)
+    return -torch.where(on, logp, torch.zeros_like(logp)), on
+
+
+def loss_stats(rho: Tensor, adv: Tensor, mask: Tensor, pg: Tensor, eps_low: float, eps_high: float,
+               aggregation: str, max_tokens: int | None, shaped: Tensor | None, dual: Tensor | None,
+               kl: Tensor | None, sft: Tensor | None) -> dict[str, float]:
+    """The loss's diagnostics over the trained tokens ``mask`` (python floats, no grad; 0 when there are none):
+
+    * ``clip_frac``: share of tokens where the clipped branch is taken, ``clip_frac_low + clip_frac_high``
+      (shaped tokens are never clipped);
+    * ``clip_frac_high``: ``A > 0`` and ``rho > 1 + eps_high``; ``clip_frac_low``: ``A < 0`` and ``rho < 1 - eps_low``;
+    * ``clip_frac_dual``: the dual clip binds (0 when it is off);
+    * ``ratio_mean``, ``ratio_max``: of ``rho``; ``kl``: token mean of k3 (0 without a reference);
+    * ``pg_loss``: the policy-gradient part alone, aggregated like the loss; ``sft_tokens``: tokens rationalized.
+    """
     with torch.no_grad():
-        n = int(m.sum())
+        n = int(mask.sum())
         denom = float(max(n, 1))
-        clipped = m if shaped is None else m & ~shaped  # shaped tokens are never clipped
-        high = clipped & (adv > 0) & (ratio > 1.0 + eps_high)  # (B, T)
-        low = clipped & (adv < 0) & (ratio < 1.0 - eps_low)  # (B, T)
+        clipped = mask if shaped is None else mask & ~shaped
+        high = clipped & (adv > 0) & (rho > 1.0 + eps_high)  # (B, T)
+        low = clipped & (adv < 0) & (rho < 1.0 - eps_low)  # (B, T)
         clip_high = float(high.sum()) / denom
         clip_low = float(low.sum()) / denom
-        stats = {
+        return {
             "clip_frac": clip_high + clip_low,
             "clip_frac_low": clip_low,
             "clip_frac_high": clip_high,
             "clip_frac_dual": float((dual & clipped).sum()) / denom if dual is not None else 0.0,
-            "ratio_mean": float(ratio[m].sum()) / denom if n else 0.0,
-            "ratio_max": float(ratio[m].max()) if n else 0.0,
-            "kl": float(kl[m].sum()) / denom if (use_kl and n) else 0.0,
-            "pg_loss": float(aggregate(pg, m, aggregation, max_tokens)),
+            "ratio_mean": float(rho[mask].sum()) / denom if n else 0.0,
+            "ratio_max": float(rho[mask].max()) if n else 0.0,
+            "kl": float(kl[mask].sum()) / denom if (kl is not None and n) else 0.0,
+            "pg_loss": float(aggregate(pg, mask, aggregation, max_tokens)),
             "sft_tokens": float(sft.sum()) if sft is not None else 0.0,
         }
-    return loss, stats
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The scalars of :func:`policy_loss` (the learner's ``[learner]`` fields of the same names)."""
+
+    eps_low: float = 0.2  # the ratio is clipped to [1 - eps_low, 1 + eps_high]
+    eps_high: float = 0.2
+    aggregation: str = "token_mean"  # see :func:`aggregate`
+    max_tokens: int | None = None  # for aggregation = "dr_grpo"
+    clip_ratio_c: float = 0.0  # dual clip's c (> 1), 0: off
+    shaping_gamma: float = 0.0  # LUFFY's gamma on guided tokens, 0: off (the clipped ratio)
+    guided_sft: float = 0.0  # rationalization's weight beta, 0: off
+    kl_coef: float = 0.0  # weight of the k3 penalty (with a reference)
+
+    def __post_init__(self):
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"unknown aggregation {self.aggregation!r}; valid values: {', '.join(AGGREGATIONS)}")
+        if self.eps_low < 0 or self.eps_high < 0:
+            raise ValueError(f"eps_low and eps_high must be >= 0; got {self.eps_low}, {self.eps_high}")
+        if self.clip_ratio_c != 0 and not self.clip_ratio_c > 1:
+            raise ValueError(f"clip_ratio_c must be > 1 (or 0: no dual clip); got {self.clip_ratio_c}")
+        if self.guided_sft < 0:
+            raise ValueError(f"guided_sft must be >= 0; got {self.guided_sft}")
+
+
+def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, cfg: LossSettings, *,
+                guided: Tensor | None = None, ref_logp: Tensor | None = None,
+                is_weight: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """The learner's loss, composed of the terms above, per trained token ``t`` (``mask``):
+
+    1. ``l_t = clipped_surrogate(rho_t, A_t)`` with ``rho = ratio(logp, old_logp)``;
+    2. ``l_t = dual_clip(l_t, A_t, c)`` when ``cfg.clip_ratio_c = c > 1``;
+    3. on guided tokens (``guided``, sampled under guidance the training context strips), with
+       ``cfg.shaping_gamma > 0``: ``l_t = luffy_shaping(logp_t, A_t)`` instead (no clipping);
+    4. ``l_t = w_t l_t`` with ``is_weight`` (the truncated importance-sampling weight of ``learner.old_logprobs =
+       "recompute"``, TRL's ``vllm_importance_sampling_correction``; before the SFT and KL terms, as in TRL);
+    5. ``l_t += beta * rationalization(logp_t, A_t)`` on guided tokens, ``beta = cfg.guided_sft > 0``;
+    6. ``l_t += kl_coef * k3_kl(logp_t, ref_logp_t)`` with ``ref_logp`` and ``cfg.kl_coef > 0`` (GRPO);
+
+    then ``loss = aggregate(l, mask, cfg.aggregation, cfg.max_tokens)``. ``old_logp``, ``ref_logp`` and
+    ``is_weight`` are constants (detached); the gradient flows through ``logp`` only.
+
+    Args:
+        logp: (B, T) log-probabilities under the current policy (with grad).
+        old_logp: (B, T) behaviour log-probabilities.
+        adv: (B, T) advantages.
+        mask: (B, T) bool or 0/1, trainable tokens.
+        guided: (B, T) bool or 0/1, or None.
+        ref_logp: (B, T) reference-model log-probabilities, or None.
+        is_weight: (B, T) importance-sampling weights, or None.
+
+    Returns:
+        (loss, stats): a 0-dim tensor and :func:`loss_stats`.
+    """
+    if not (logp.shape == old_logp.shape == adv.shape == mask.shape):
+        raise ValueError(f"logp, old_logp, adv and mask must share a shape; got {tuple(logp.shape)}, "
+                         f"{tuple(old_logp.shape)}, {tuple(adv.shape)}, {tuple(mask.shape)}")
+    for name, t in (("guided", guided), ("ref_logp", ref_logp), ("is_weight", is_weight)):
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name} must be (B, T) like logp; got {tuple(t.shape)}")
+    m = _as_bool(mask)  # (B, T): every trained token
+    adv = adv.to(logp.dtype)
+    rho = ratio(logp, old_logp, m)  # (B, T)
+    pg = clipped_surrogate(rho, adv, cfg.eps_low, cfg.eps_high)  # (B, T)
+    dual = None
+    if cfg.clip_ratio_c > 0:
+        pg, dual = dual_clip(pg, adv, cfg.clip_ratio_c)
+    shaped = None
+    if cfg.shaping_gamma > 0 and guided is not None:
+        shaped = m & _as_bool(guided)  # (B, T)
+        pg = torch.where(shaped, luffy_shaping(torch.where(shaped, logp, torch.zeros_like(logp)), adv,
+                                               cfg.shaping_gamma), pg)  # (B, T)
+    if is_weight is not None:
+        pg = pg * is_weight.detach().to(logp.dtype)  # (B, T)
+    per_token = pg  # (B, T)
+    sft = None
+    if cfg.guided_sft > 0 and guided is not None:
+        term, sft = rationalization(logp, adv, m & _as_bool(guided))
+        per_token = per_token + cfg.guided_sft * term  # (B, T)
+    kl = None
+    if ref_logp is not None:
+        ref = torch.where(m, ref_logp.detach().to(logp.dtype), logp.detach())  # (B, T): k3 = 0 off-mask
+        kl = k3_kl(logp, ref)  # (B, T)
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * kl
+    loss = aggregate(per_token, m, cfg.aggregation, cfg.max_tokens)
+    return loss, loss_stats(rho, adv, m, pg, cfg.eps_low, cfg.eps_high, cfg.aggregation, cfg.max_tokens, shaped,
+                            dual, kl, sft)

@@ -19,7 +19,7 @@ import torch
 
 from policy import grpo
 from policy.packing import forward_logits
-from policy.records import ZERO_VARIANCE_TOL, Origin, Status, Trajectory
+from policy.records import Origin, Status, Trajectory, zero_variance
 from policy.settings import COMPOSITIONS, OLD_LOGPROBS, LearnerSettings  # noqa: F401 - re-exported
 
 
@@ -126,8 +126,8 @@ def assign_status(trajs: list[Trajectory], compose: str = "mix", *,
     3. the shift filter: a trajectory sampled under guidance that training strips whose shift measure
        (``shift_of``, e.g. :func:`shift_measures` under the current weights) exceeds ``shift_threshold`` (NaN
        counts as over) is dropped (``shift_rejected``); without ``shift_of`` nothing is measured;
-    4. over what is left of each group: a group without a reward spread (population std below
-       :data:`ZERO_VARIANCE_TOL`, :func:`policy.grpo.zero_variance_mask`) carries no advantage
+    4. over what is left of each group: a group without a reward spread (:func:`policy.records.zero_variance`)
+       carries no advantage
        (``zero_variance`` with ``drop_zero_variance``), and a rollout whose every tool call failed is masked
        (``all_tools_failed`` with ``mask_all_tools_failed``, TAO-RL); the rest are ``trained``.
 
@@ -170,19 +170,19 @@ def assign_status(trajs: list[Trajectory], compose: str = "mix", *,
         pool = [t for t in pool if t.status != Status.SHIFT_REJECTED]
     if not pool:
         return pool, stats
-    rewards = torch.tensor([t.reward for t in pool], dtype=torch.float64)  # (N,)
-    _, group_index = torch.unique(torch.tensor([t.group for t in pool]), return_inverse=True)  # (N,)
-    zero_var = grpo.zero_variance_mask(rewards, group_index, ZERO_VARIANCE_TOL)  # (N,)
+    rewards: dict[int, list[float]] = {}
+    for t in pool:
+        rewards.setdefault(t.group, []).append(t.reward)
+    flat = {g: zero_variance(rs) for g, rs in rewards.items()}
     all_failed = [(lambda c: c[0] > 0 and c[0] == c[1])(t.tool_calls()) for t in pool]
     for i, t in enumerate(pool):
-        if drop_zero_variance and bool(zero_var[i]):
+        if drop_zero_variance and flat[t.group]:
             t.status = Status.ZERO_VARIANCE
         elif mask_all_tools_failed and all_failed[i]:
             t.status = Status.ALL_TOOLS_FAILED
         else:
             t.status = Status.TRAINED
-    n_groups = int(group_index.max()) + 1
-    zv_groups = len(set(group_index[zero_var].tolist()))
+    n_groups, zv_groups = len(flat), sum(flat.values())
     stats.update({"groups": float(n_groups), "zero_variance_groups": float(zv_groups),
                   "zero_variance_share": zv_groups / n_groups, "all_tools_failed": float(sum(all_failed)),
                   "kept": float(sum(t.status == Status.TRAINED for t in pool))})
@@ -204,6 +204,10 @@ class GRPOLearner:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(settings.schedule, settings.warmup_steps, total_steps))
+        self.loss = grpo.LossSettings(eps_low=settings.eps_low, eps_high=settings.eps_high,
+                                      aggregation=settings.loss_agg, max_tokens=settings.max_tokens,
+                                      clip_ratio_c=settings.clip_ratio_c, shaping_gamma=settings.shaping_gamma,
+                                      guided_sft=settings.guided_sft, kl_coef=settings.kl_coef)
         self.ref_model = None
         if settings.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval()
@@ -322,11 +326,7 @@ class GRPOLearner:
                 if self.ref_model is not None:
                     with torch.no_grad():
                         ref = grpo.gather_logprobs(self._logits(self.ref_model, ids, attn), ids[:, 1:])
-                loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, s.eps_low, s.eps_high, s.loss_agg,
-                                              max_tokens=s.max_tokens, ref_logp=ref, kl_coef=s.kl_coef,
-                                              offpolicy_mask=off, shaping_gamma=s.shaping_gamma,
-                                              guided_sft=s.guided_sft,
-                                              sft_mask=off, is_weight=isw, clip_ratio_c=s.clip_ratio_c)
+                loss, st = grpo.policy_loss(logp, old, adv, mask, self.loss, guided=off, ref_logp=ref, is_weight=isw)
                 if s.rehearsal > 0:  # PPO-ptx: keep the demonstrations' likelihood up beside the RL objective
                     nll = sft_loss(self.model, self.rehearsal_source(s.rehearsal_batch), self.pad_id)
                     loss = loss + s.rehearsal * nll

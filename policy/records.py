@@ -46,15 +46,24 @@ class Status(str, Enum):
 
 #: a group whose rewards' population standard deviation is below this carries no advantage (DAPO, TAO-RL: 1e-3)
 ZERO_VARIANCE_TOL = 1e-3
+#: a rollout whose reward reaches this succeeded (every environment's verifier gives 1.0 for a solved task)
+SUCCESS_REWARD = 1.0
 
 
-def zero_variance(rewards: list[float]) -> bool:
-    """Whether a group with these rewards carries no advantage: the learner's filter's rule
-    (:func:`policy.learner.assign_status`, :func:`policy.grpo.zero_variance_mask`); an empty group has none either."""
+def succeeded(reward: float) -> bool:
+    """Whether a rollout with this reward solved its task: the one success rule behind every success count,
+    success rate and the controller's ``success`` flags."""
+    return reward >= SUCCESS_REWARD
+
+
+def zero_variance(rewards: list[float], tol: float = ZERO_VARIANCE_TOL) -> bool:
+    """Whether a group with these rewards carries no advantage: the population standard deviation of its rewards
+    is below ``tol``; an empty group carries none either. The one rule behind the learner's filter
+    (:func:`policy.learner.assign_status`), a group's ``zero_variance_base`` and the rescue count."""
     if not rewards:
         return True
     m = sum(rewards) / len(rewards)
-    return (sum((r - m) ** 2 for r in rewards) / len(rewards)) ** 0.5 < ZERO_VARIANCE_TOL
+    return (sum((r - m) ** 2 for r in rewards) / len(rewards)) ** 0.5 < tol
 
 
 @dataclass

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from policy import grpo
+from policy.records import zero_variance
 
 MODES = ["token_mean", "seq_mean", "dr_grpo"]
 
@@ -87,20 +88,16 @@ def test_advantages_unknown_scale():
     assert "std" in str(e.value) and "none" in str(e.value) and "mad" in str(e.value)
 
 
-def test_zero_variance_mask():
-    # group 0: [1, 1, 1]          -> population std 0        < 1e-3 -> True
-    # group 1: [0, 1]             -> population std 0.5      >= tol -> False
-    # group 2: [0.5, 0.5004]      -> mean 0.5002, deviations +-0.0002, population std 0.0002 < 1e-3 -> True
-    # group 3: [0.5, 0.504]       -> population std 0.002 >= 1e-3 -> False
-    # group 4: [9] (single member) -> std 0 -> True
-    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.5, 0.5004, 0.5, 0.504, 9.0])
-    groups = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3, 3, 4])
-    zv = grpo.zero_variance_mask(rewards, groups)
-    assert zv.dtype == torch.bool
-    assert zv.tolist() == [True, True, True, False, False, True, True, False, False, True]
-    # a looser tolerance catches group 3 as well (0.002 < 0.01)
-    zv_loose = grpo.zero_variance_mask(rewards, groups, tol=1e-2)
-    assert zv_loose.tolist() == [True, True, True, False, False, True, True, True, True, True]
+def test_zero_variance_by_hand():
+    # [1, 1, 1]          -> population std 0        < 1e-3 -> True
+    # [0, 1]             -> population std 0.5      >= tol -> False
+    # [0.5, 0.5004]      -> mean 0.5002, deviations +-0.0002, population std 0.0002 < 1e-3 -> True
+    # [0.5, 0.504]       -> population std 0.002 >= 1e-3 -> False
+    # [9] (one member)   -> std 0 -> True; [] -> True (no advantage either)
+    groups = [[1.0, 1.0, 1.0], [0.0, 1.0], [0.5, 0.5004], [0.5, 0.504], [9.0], []]
+    assert [zero_variance(g) for g in groups] == [True, False, True, False, True, True]
+    # a looser tolerance catches [0.5, 0.504] as well (0.002 < 0.01)
+    assert [zero_variance(g, tol=1e-2) for g in groups] == [True, False, True, True, True, True]
 
 
 # ---------------------------------------------------------------------------------------------- per token
@@ -304,7 +301,7 @@ def test_ppo_inside_clip_range_is_plain_ratio_times_adv(mode):
     # (one sequence of 3 tokens and max_tokens = 3, so all three modes agree)
     # gradient d/dlogp_t = -A_t * ratio_t / 3 = [-0.36667, 0.6, -0.175]
     logp, old, adv, mask = _ppo_inputs([1.1, 0.9, 1.05], [1.0, -2.0, 0.5])
-    loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2, mode, max_tokens=3)
+    loss, st = grpo.policy_loss(logp, old, adv, mask, grpo.LossSettings(0.2, 0.2, mode, max_tokens=3))
     assert close(loss, 0.058333)
     assert close(st["pg_loss"], 0.058333)
     assert st["clip_frac"] == 0.0
@@ -318,7 +315,7 @@ def test_ppo_ratio_above_high_positive_adv_is_clipped(mode):
     # t1: ratio 1.0, A = 1 -> loss -1.0, gradient -1 * 1 / 2 = -0.5
     # mean (-2.56 - 1.0) / 2 = -1.78
     logp, old, adv, mask = _ppo_inputs([1.5, 1.0], [2.0, 1.0])
-    loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, mode, max_tokens=2)
+    loss, st = grpo.policy_loss(logp, old, adv, mask, grpo.LossSettings(0.2, 0.28, mode, max_tokens=2))
     assert close(loss, -1.78)
     loss.backward()
     assert logp.grad[0, 0].item() == 0.0
@@ -333,7 +330,7 @@ def test_ppo_ratio_below_low_negative_adv_is_clipped(mode):
     #     -> loss -0.5, gradient -A * ratio / 2 = -0.25
     # mean (0.8 - 0.5) / 2 = 0.15
     logp, old, adv, mask = _ppo_inputs([0.5, 0.5], [-1.0, 1.0])
-    loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2, mode, max_tokens=2)
+    loss, st = grpo.policy_loss(logp, old, adv, mask, grpo.LossSettings(0.2, 0.2, mode, max_tokens=2))
     assert close(loss, 0.15)
     loss.backward()
     assert close(logp.grad, [[0.0, -0.25]])
@@ -343,7 +340,7 @@ def test_ppo_ratio_below_low_negative_adv_is_clipped(mode):
 def test_ppo_ratio_above_high_negative_adv_is_not_clipped():
     # ratio 1.5, A = -1 -> min(-1.5, 1.2 * -1 = -1.2) = -1.5 -> loss 1.5; gradient -A * ratio = 1.5
     logp, old, adv, mask = _ppo_inputs([1.5], [-1.0])
-    loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2, "token_mean")
+    loss, st = grpo.policy_loss(logp, old, adv, mask, grpo.LossSettings(0.2, 0.2, "token_mean"))
     assert close(loss, 1.5)
     loss.backward()
     assert close(logp.grad, [[1.5]])
@@ -359,7 +356,7 @@ def test_ppo_asymmetric_clip_higher():
     # token mean (-1.25 - 1.28 + 0.8 + 0.85) / 4 = -0.88 / 4 = -0.22
     # clip_frac 2/4, high 1/4, low 1/4; ratio_mean 4.15 / 4 = 1.0375, ratio_max 1.3
     logp, old, adv, mask = _ppo_inputs([1.25, 1.30, 0.75, 0.85], [1.0, 1.0, -1.0, -1.0])
-    loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean")
+    loss, st = grpo.policy_loss(logp, old, adv, mask, grpo.LossSettings(0.2, 0.28, "token_mean"))
     assert close(loss, -0.22)
     assert st["clip_frac"] == pytest.approx(0.5)
     assert st["clip_frac_high"] == pytest.approx(0.25)
@@ -371,7 +368,7 @@ def test_ppo_asymmetric_clip_higher():
     assert close(logp.grad, [[-0.3125, 0.0, 0.0, 0.2125]])
     # with symmetric 0.2 the t0 ratio 1.25 > 1.2 is clipped too: -1.2 instead of -1.25
     #   (-1.2 - 1.2 + 0.8 + 0.85) / 4 = -0.75 / 4 = -0.1875, clip_frac 3/4
-    loss_sym, st_sym = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2, "token_mean")
+    loss_sym, st_sym = grpo.policy_loss(logp, old, adv, mask, grpo.LossSettings(0.2, 0.2, "token_mean"))
     assert close(loss_sym, -0.1875)
     assert st_sym["clip_frac"] == pytest.approx(0.75)
 
@@ -383,7 +380,7 @@ def test_ppo_clip_frac_counts_only_masked_tokens_and_binding_side():
     # ratio_mean over masked = (1.5 * 3 + 0.5) / 4 = 1.25; ratio_max 1.5
     logp, old, adv, mask = _ppo_inputs([1.5, 1.5, 1.5, 0.5, math.exp(-50)], [1.0, 0.0, -1.0, -1.0, 5.0],
                                        mask=[1, 1, 1, 1, 0])
-    _, st = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2, "token_mean")
+    _, st = grpo.policy_loss(logp, old, adv, mask, grpo.LossSettings(0.2, 0.2, "token_mean"))
     assert st["clip_frac"] == pytest.approx(0.5)
     assert st["clip_frac_high"] == pytest.approx(0.25)
     assert st["clip_frac_low"] == pytest.approx(0.25)
@@ -400,7 +397,7 @@ def test_ppo_aggregation_modes_on_ragged_batch(mode, expected):
     logp = torch.zeros(2, 3, requires_grad=True)
     adv = torch.tensor([[1.0, 1.0, 9.0], [4.0, 9.0, 9.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
-    loss, st = grpo.ppo_clip_loss(logp, torch.zeros(2, 3), adv, mask, 0.2, 0.2, mode, max_tokens=3)
+    loss, st = grpo.policy_loss(logp, torch.zeros(2, 3), adv, mask, grpo.LossSettings(0.2, 0.2, mode, max_tokens=3))
     assert close(loss, expected)
     assert st["pg_loss"] == pytest.approx(expected)
 
@@ -408,8 +405,9 @@ def test_ppo_aggregation_modes_on_ragged_batch(mode, expected):
 @pytest.mark.parametrize("mode", MODES)
 def test_ppo_empty_mask(mode):
     logp = torch.randn(2, 3, requires_grad=True)
-    loss, st = grpo.ppo_clip_loss(logp, torch.randn(2, 3), torch.randn(2, 3), torch.zeros(2, 3), 0.2, 0.2, mode,
-                                  max_tokens=3, ref_logp=torch.randn(2, 3), kl_coef=0.1)
+    loss, st = grpo.policy_loss(logp, torch.randn(2, 3), torch.randn(2, 3), torch.zeros(2, 3),
+                                grpo.LossSettings(0.2, 0.2, mode, max_tokens=3, kl_coef=0.1),
+                                ref_logp=torch.randn(2, 3))
     assert loss.item() == 0.0
     loss.backward()
     assert torch.isfinite(logp.grad).all()
@@ -422,20 +420,20 @@ def test_ppo_kl_term():
     # d k3 / d logp = -exp(r) + 1 = 1 - 0.5 = 0.5 -> grad 0.1 * 0.5 = 0.05
     logp = torch.tensor([[math.log(0.5)]], requires_grad=True)
     ref = torch.tensor([[math.log(0.25)]])
-    loss, st = grpo.ppo_clip_loss(logp, logp.detach(), torch.zeros(1, 1), torch.ones(1, 1), 0.2, 0.2,
-                                  "token_mean", ref_logp=ref, kl_coef=0.1)
+    loss, st = grpo.policy_loss(logp, logp.detach(), torch.zeros(1, 1), torch.ones(1, 1),
+                                grpo.LossSettings(0.2, 0.2, "token_mean", kl_coef=0.1), ref_logp=ref)
     assert close(loss, 0.019315)
     assert st["kl"] == pytest.approx(0.19315, abs=1e-5)
     assert st["pg_loss"] == 0.0
     loss.backward()
     assert close(logp.grad, [[0.05]])
     # kl_coef 0: the stat is still reported, the loss has no KL part
-    loss0, st0 = grpo.ppo_clip_loss(logp, logp.detach(), torch.zeros(1, 1), torch.ones(1, 1), 0.2, 0.2,
-                                    "token_mean", ref_logp=ref, kl_coef=0.0)
+    loss0, st0 = grpo.policy_loss(logp, logp.detach(), torch.zeros(1, 1), torch.ones(1, 1),
+                                  grpo.LossSettings(0.2, 0.2, "token_mean", kl_coef=0.0), ref_logp=ref)
     assert loss0.item() == 0.0 and st0["kl"] == pytest.approx(0.19315, abs=1e-5)
     # no reference: kl stat 0
-    _, st_none = grpo.ppo_clip_loss(logp, logp.detach(), torch.zeros(1, 1), torch.ones(1, 1), 0.2, 0.2,
-                                    "token_mean")
+    _, st_none = grpo.policy_loss(logp, logp.detach(), torch.zeros(1, 1), torch.ones(1, 1),
+                                  grpo.LossSettings(0.2, 0.2, "token_mean"))
     assert st_none["kl"] == 0.0
 
 
@@ -443,8 +441,8 @@ def test_ppo_kl_stat_ignores_masked_tokens():
     # masked token has a huge ref gap; kl over the one masked-in token (k3 = 0 since ref == logp) stays 0
     logp = torch.tensor([[-1.0, -1.0]])
     ref = torch.tensor([[-1.0, -30.0]])
-    _, st = grpo.ppo_clip_loss(logp, logp, torch.ones(1, 2), torch.tensor([[1.0, 0.0]]), 0.2, 0.2,
-                               "token_mean", ref_logp=ref, kl_coef=0.1)
+    _, st = grpo.policy_loss(logp, logp, torch.ones(1, 2), torch.tensor([[1.0, 0.0]]),
+                             grpo.LossSettings(0.2, 0.2, "token_mean", kl_coef=0.1), ref_logp=ref)
     assert st["kl"] == 0.0
 
 
@@ -463,7 +461,8 @@ def test_ppo_gradient_matches_finite_differences(mode):
     logp.requires_grad_(True)
 
     def f(lp):
-        return grpo.ppo_clip_loss(lp, old, adv, mask, 0.2, 0.2, mode, max_tokens=T, ref_logp=ref, kl_coef=0.05)[0]
+        return grpo.policy_loss(lp, old, adv, mask,
+                                grpo.LossSettings(0.2, 0.2, mode, max_tokens=T, kl_coef=0.05), ref_logp=ref)[0]
 
     assert torch.autograd.gradcheck(f, (logp,), eps=1e-6, atol=1e-6)
 
@@ -474,7 +473,7 @@ def test_ppo_gradient_analytic_unclipped():
     old = -torch.rand(2, 4, generator=g, dtype=torch.float64)
     logp = (old + torch.empty(2, 4, dtype=torch.float64).uniform_(-0.1, 0.1, generator=g)).requires_grad_(True)
     adv = torch.randn(2, 4, generator=g, dtype=torch.float64)
-    loss, _ = grpo.ppo_clip_loss(logp, old, adv, torch.ones(2, 4), 0.2, 0.2, "token_mean")
+    loss, _ = grpo.policy_loss(logp, old, adv, torch.ones(2, 4), grpo.LossSettings(0.2, 0.2, "token_mean"))
     loss.backward()
     assert close(logp.grad, -adv * (logp.detach() - old).exp() / 8, tol=1e-10)
 
@@ -483,16 +482,16 @@ def test_ppo_no_gradient_into_old_or_ref():
     logp = torch.zeros(1, 2, requires_grad=True)
     old = torch.full((1, 2), -0.1, requires_grad=True)
     ref = torch.full((1, 2), -0.2, requires_grad=True)
-    loss, _ = grpo.ppo_clip_loss(logp, old, torch.ones(1, 2), torch.ones(1, 2), 0.2, 0.2, "token_mean",
-                                 ref_logp=ref, kl_coef=0.1)
+    loss, _ = grpo.policy_loss(logp, old, torch.ones(1, 2), torch.ones(1, 2),
+                               grpo.LossSettings(0.2, 0.2, "token_mean", kl_coef=0.1), ref_logp=ref)
     loss.backward()
     assert old.grad is None and ref.grad is None and logp.grad is not None
 
 
 def test_ppo_unknown_aggregation():
     with pytest.raises(ValueError) as e:
-        grpo.ppo_clip_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), 0.2, 0.2,
-                           "mean")
+        grpo.policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1),
+                         grpo.LossSettings(0.2, 0.2, "mean"))
     for m in MODES:
         assert m in str(e.value)
 
@@ -527,7 +526,8 @@ def test_ppo_float32_far_log_ratios_give_finite_loss_and_gradient(lr, a, mode):
     # without the clamp, log-ratio 100 in float32 is exp(100) = inf: loss inf (A < 0), gradient NaN (A > 0)
     logp, old, adv, mask = _far([lr, 0.0], [a, a])
     ref = logp.detach() + torch.tensor([[lr, 0.0]])  # the KL term sees the same gap
-    loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, mode, max_tokens=2, ref_logp=ref, kl_coef=0.1)
+    loss, st = grpo.policy_loss(logp, old, adv, mask,
+                                grpo.LossSettings(0.2, 0.28, mode, max_tokens=2, kl_coef=0.1), ref_logp=ref)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
     assert all(math.isfinite(v) for v in st.values())
@@ -538,14 +538,14 @@ def test_ppo_log_ratio_is_clamped_at_20_hand_numbers():
     # the second token has ratio 1, A = -1 -> loss 1. token mean (exp(20) + 1) / 2. The clamped token has zero
     # gradient (the clamp is flat there, as in verl); the other -A * ratio / 2 = 0.5.
     logp, old, adv, mask = _far([50.0, 0.0], [-1.0, -1.0], torch.float64)
-    loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean")
+    loss, st = grpo.policy_loss(logp, old, adv, mask, grpo.LossSettings(0.2, 0.28, "token_mean"))
     assert loss.item() == pytest.approx((math.exp(20.0) + 1) / 2, rel=1e-12)
     assert st["ratio_max"] == pytest.approx(math.exp(20.0), rel=1e-12)
     loss.backward()
     assert close(logp.grad, [[0.0, 0.5]])
     # log-ratio -50, A = +1: ratio exp(-20) = 2.06115e-9 inside no clip branch for A > 0 -> loss -exp(-20)
     logp, old, adv, mask = _far([-50.0], [1.0], torch.float64)
-    loss, _ = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean")
+    loss, _ = grpo.policy_loss(logp, old, adv, mask, grpo.LossSettings(0.2, 0.28, "token_mean"))
     assert loss.item() == pytest.approx(-math.exp(-20.0), rel=1e-12)
 
 
@@ -557,21 +557,21 @@ def test_ppo_dual_clip_hand_numbers():
     #   t3: A > 0, ratio 5 > 1.28 -> clipped high: -2.56, zero gradient (dual clip never touches A > 0)
     # token mean (3 + 2 + 0.8 - 2.56) / 4 = 3.24 / 4 = 0.81; clip_frac_dual 1/4, clip_frac 2/4
     logp, old, adv, mask = _ppo_inputs([5.0, 2.0, 0.5, 5.0], [-1.0, -1.0, -1.0, 2.0])
-    loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean", clip_ratio_c=3.0)
+    loss, st = grpo.policy_loss(logp, old, adv, mask, grpo.LossSettings(0.2, 0.28, "token_mean", clip_ratio_c=3.0))
     assert close(loss, 0.81)
     assert st["clip_frac_dual"] == 0.25 and st["clip_frac"] == 0.5
     loss.backward()
     assert close(logp.grad, [[0.0, 0.5, 0.0, 0.0]])
     # off (the default): t0 keeps its PPO loss 5 -> (5 + 2 + 0.8 - 2.56) / 4 = 1.31
     logp, old, adv, mask = _ppo_inputs([5.0, 2.0, 0.5, 5.0], [-1.0, -1.0, -1.0, 2.0])
-    loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean")
+    loss, st = grpo.policy_loss(logp, old, adv, mask, grpo.LossSettings(0.2, 0.28, "token_mean"))
     assert close(loss, 1.31) and st["clip_frac_dual"] == 0.0
     # float32, log-ratio 50, A = -1, c = 3: the loss is 3, not exp(20)
     logp, old, adv, mask = _far([50.0], [-1.0])
-    loss, _ = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean", clip_ratio_c=3.0)
+    loss, _ = grpo.policy_loss(logp, old, adv, mask, grpo.LossSettings(0.2, 0.28, "token_mean", clip_ratio_c=3.0))
     assert loss.item() == pytest.approx(3.0)
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean", clip_ratio_c=0.5)
+        grpo.policy_loss(logp, old, adv, mask, grpo.LossSettings(0.2, 0.28, "token_mean", clip_ratio_c=0.5))
 
 
 def test_k3_is_capped_at_10_with_clamped_log_ratio():
@@ -584,3 +584,32 @@ def test_k3_is_capped_at_10_with_clamped_log_ratio():
     k3.sum().backward()
     # d k3 / d logp = 1 - exp(r) at r = 2: 1 - 7.38906 = -6.38906
     assert close(logp.grad, [[0.0, 0.0, 1.0 - math.exp(2.0)]])
+
+
+def test_policy_loss_is_its_named_terms_composed_in_order():
+    """Every term on at once: the loss is the terms of grpo chained in policy_loss's documented order, token by
+    token (dual clip on the clipped term, shaping in its place on guided tokens, the IS weight on what is left,
+    then rationalization and KL added), and its gradient is theirs."""
+    g = torch.Generator().manual_seed(0)
+    logp = (-torch.rand(3, 5, generator=g) * 3).requires_grad_()
+    old = -torch.rand(3, 5, generator=g) * 3
+    ref = -torch.rand(3, 5, generator=g) * 3
+    adv = torch.randn(3, 5, generator=g)
+    mask = torch.rand(3, 5, generator=g) > 0.2
+    guided = torch.rand(3, 5, generator=g) > 0.5
+    w = torch.rand(3, 5, generator=g) * 2
+    cfg = grpo.LossSettings(0.2, 0.28, "seq_mean", clip_ratio_c=3.0, shaping_gamma=0.1, guided_sft=0.5, kl_coef=0.05)
+    loss, _ = grpo.policy_loss(logp, old, adv, mask, cfg, guided=guided, ref_logp=ref, is_weight=w)
+
+    lp = logp.detach().clone().requires_grad_()
+    rho = grpo.ratio(lp, old, mask)
+    pg, _ = grpo.dual_clip(grpo.clipped_surrogate(rho, adv, 0.2, 0.28), adv, 3.0)
+    shaped = mask & guided
+    pg = torch.where(shaped, grpo.luffy_shaping(torch.where(shaped, lp, torch.zeros_like(lp)), adv, 0.1), pg) * w
+    sft, _ = grpo.rationalization(lp, adv, mask & guided)
+    per_token = pg + 0.5 * sft + 0.05 * grpo.k3_kl(lp, torch.where(mask, ref, lp.detach()))
+    expected = grpo.aggregate(per_token, mask, "seq_mean")
+    assert close(loss, float(expected.detach()))
+    loss.backward()
+    expected.backward()
+    assert torch.allclose(logp.grad, lp.grad, atol=1e-6)

@@ -165,8 +165,8 @@ def test_luffy_shaping_by_hand():
     old = torch.log(torch.tensor([[0.25, 0.2]]))
     adv, mask = torch.tensor([[1.0, 1.0]]), torch.ones(1, 2)
     off = torch.tensor([[True, False]])
-    loss, _ = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean", offpolicy_mask=off,
-                                 shaping_gamma=0.1)
+    loss, _ = grpo.policy_loss(logp, old, adv, mask,
+                               grpo.LossSettings(0.2, 0.28, "token_mean", shaping_gamma=0.1), guided=off)
     # token 0: -pi/(pi+g) = -0.5/0.6, unclipped; token 1: ratio 1 -> -1
     assert float(loss.detach()) == pytest.approx((-0.5 / 0.6 - 1.0) / 2)
     loss.backward()
@@ -182,8 +182,8 @@ def test_guided_sft_by_hand():
     adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
     mask = torch.ones(2, 2)
     off = torch.tensor([[True, False], [True, False]])
-    loss, st = grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean", offpolicy_mask=off,
-                                  guided_sft=0.5, sft_mask=off)
+    loss, st = grpo.policy_loss(logp, old, adv, mask,
+                                grpo.LossSettings(0.2, 0.28, "token_mean", guided_sft=0.5), guided=off)
     r = 0.1 / 0.9
     # row 0: -min(r, clip(r)) = -r, plus -0.5 log 0.1; ratio 1 -> -1. row 1: -min(-r, -0.8) = 0.8; ratio 1 -> +1
     assert float(loss.detach()) == pytest.approx((-r - 0.5 * math.log(0.1) - 1.0 + 0.8 + 1.0) / 4)
@@ -193,11 +193,10 @@ def test_guided_sft_by_hand():
     assert float(logp.grad[0, 0]) == pytest.approx((-r - 0.5) / 4)
     assert float(logp.grad[1, 0]) == 0.0
     # off by default: the same call without it is the plain clipped loss
-    loss0, st0 = grpo.ppo_clip_loss(logp.detach(), old, adv, mask, 0.2, 0.28, "token_mean", offpolicy_mask=off)
+    loss0, st0 = grpo.policy_loss(logp.detach(), old, adv, mask, grpo.LossSettings(0.2, 0.28, "token_mean"), guided=off)
     assert float(loss0) == pytest.approx((-r - 1.0 + 0.8 + 1.0) / 4) and st0["sft_tokens"] == 0.0
     with pytest.raises(ValueError, match="guided_sft"):
-        grpo.ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28, "token_mean", offpolicy_mask=off, guided_sft=-1.0,
-                           sft_mask=off)
+        grpo.policy_loss(logp, old, adv, mask, grpo.LossSettings(0.2, 0.28, "token_mean", guided_sft=-1.0), guided=off)
 
 
 #: plain GRPO's learner (the defaults are rail's recipe: rationalization, guided replay, shaping, rehearsal),

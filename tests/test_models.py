@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
-from policy.grpo import ppo_clip_loss
+from policy.grpo import LossSettings, policy_loss
 from policy.learner import GRPOLearner, LearnerSettings
 from policy.model import load_policy
 from policy.records import Origin
@@ -206,12 +206,12 @@ def test_truncated_importance_weight_scales_the_policy_gradient_term():
     adv = torch.ones(1, 3)
     mask = torch.ones(1, 3)
     w = torch.tensor([[1.0, 0.5, 3.0]])
-    plain, _ = ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2, "token_mean")
-    weighted, _ = ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2, "token_mean", is_weight=w)
+    plain, _ = policy_loss(logp, old, adv, mask, LossSettings(0.2, 0.2, "token_mean"))
+    weighted, _ = policy_loss(logp, old, adv, mask, LossSettings(0.2, 0.2, "token_mean"), is_weight=w)
     # at ratio 1 each token's term is -A: the weighted mean is -(1 + 0.5 + 3) / 3
     assert plain.item() == pytest.approx(-1.0) and weighted.item() == pytest.approx(-4.5 / 3)
     with pytest.raises(ValueError):
-        ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2, "token_mean", is_weight=torch.ones(1, 2))
+        policy_loss(logp, old, adv, mask, LossSettings(0.2, 0.2, "token_mean"), is_weight=torch.ones(1, 2))
 
 
 def test_recompute_replaces_engine_logprobs_and_truncates_the_ratio(tiny_dir):
