@@ -154,7 +154,7 @@ def cmd_traces(a: argparse.Namespace) -> int:
 def cmd_ablate(a: argparse.Namespace) -> int:
     import os
 
-    from rail.ablate import AblationRunner, classify, load_ablation, make_backend, plan_jobs
+    from rail.lab.ablate import AblationRunner, classify, load_ablation, make_backend, plan_jobs
 
     ab = load_ablation(a.config)
     arms = [x.strip() for x in a.arms.split(",") if x.strip()] if a.arms else None
@@ -186,7 +186,7 @@ def cmd_ablate(a: argparse.Namespace) -> int:
 
 
 def cmd_report(a: argparse.Namespace) -> int:
-    from rail.ablation_report import resolve_target, write_report
+    from rail.lab.ablation_report import resolve_target, write_report
 
     root = resolve_target(a.target, a.tracking_uri)
     rep = write_report(root)

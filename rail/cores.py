@@ -1,4 +1,4 @@
-"""The CPU cores this process may run on, shared by ``rail ablate``'s backends (rail/ablate.py, rail/ablate_ray.py)
+"""The CPU cores this process may run on, shared by ``rail ablate``'s backends (rail/lab/ablate.py, rail/lab/ablate_ray.py)
 and the command line that sizes their workers. Imports nothing of rail's."""
 
 from __future__ import annotations

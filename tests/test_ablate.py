@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from processes import RAIL, ROOT, launch, rail, wait_for
-from rail.ablate import MANAGED, dump_toml, load_ablation, plan_jobs, shared_view
+from rail.lab.ablate import MANAGED, dump_toml, load_ablation, plan_jobs, shared_view
 from rail.config import build_config
 from rail.cli import main
 
@@ -165,7 +165,7 @@ def _fake_run(d: Path, arm: str, seed: int, beyond: list[float], easy: list[floa
 def test_report_numbers_from_known_runs(tmp_path):
     from scipy import stats
 
-    from rail.ablation_report import write_report
+    from rail.lab.ablation_report import write_report
 
     root = tmp_path / "abl"
     for seed, (b_none, b_rail) in enumerate([(0.1, 0.3), (0.1, 0.5)]):
@@ -205,7 +205,7 @@ def test_report_numbers_from_known_runs(tmp_path):
 def test_report_pairs_the_learned_controller_over_other_action_spaces(tmp_path):
     """Expressiveness: arms with the learned controller's name are paired against it (arm − rail), fixed arms
     are not, and the markdown says which ones end below it."""
-    from rail.ablation_report import write_report
+    from rail.lab.ablation_report import write_report
 
     root = tmp_path / "abl"
     for seed, (b_rail, b_how, b_full) in enumerate([(0.5, 0.1, 0.45), (0.7, 0.2, 0.75), (0.6, 0.15, 0.6)]):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from processes import RAIL, ROOT, child_env, interrupt, launch, wait_for
-from rail.ablate import load_ablation
+from rail.lab.ablate import load_ablation
 from rail.cli import main
 
 CONTROLLERS = ROOT / "experiments" / "ablations" / "controllers.toml"
@@ -141,7 +141,7 @@ def _file(tmp_path: Path, resources: str) -> Path:
 
 
 def test_resources_table_and_flags(tmp_path, capsys):
-    from rail.ablate_ray import job_resources
+    from rail.lab.ablate_ray import job_resources
 
     ab = load_ablation(_file(tmp_path, "[resources]\nnum_cpus = 2\nnum_gpus = 0.5\n"))
     assert ab.resources == {"num_cpus": 2, "num_gpus": 0.5}

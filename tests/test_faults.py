@@ -491,7 +491,7 @@ def test_report_on_a_garbled_ablation_json(tmp_path, finished, capsys):
 
 
 def test_an_arms_damaged_summary_is_named_and_its_job_runs_again(tmp_path, finished, capsys):
-    from rail.ablate import Job, classify
+    from rail.lab.ablate import Job, classify
     from rail.train import read_run_config
 
     root = _ablation_dir(tmp_path / "ab", finished[0])

@@ -102,7 +102,7 @@ def test_the_graph_sees_imports_at_every_level():
     edges = import_edges(project_modules())
     assert "rail.config" in edges["rail.cli"]  # module level
     assert "rail.train" in edges["rail.cli"]  # inside a function
-    assert "rail.ablate_ray" in edges["rail.ablate"]  # the Ray backend, imported when chosen
+    assert "rail.lab.ablate_ray" in edges["rail.lab.ablate"]  # the Ray backend, imported when chosen
     assert "rail.envs.toolcalls" in edges["rail.envs.base"]
     assert "rail.envs.actions" in edges["rail.envs.toolcalls"]
     assert find_cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}}) == ["a", "b", "c", "a"]
@@ -116,8 +116,24 @@ def test_no_import_cycles():
         where = [f"{a} -> {b} ({modules_path(a)}:{edges[a][b]})" for a, b in zip(cycle, cycle[1:])]
         raise AssertionError("import cycle:\n  " + "\n  ".join(where))
     # the two circles this test was written against, in neither direction at any level
-    assert "rail.ablate" not in edges["rail.ablate_ray"]
+    assert "rail.lab.ablate" not in edges["rail.lab.ablate_ray"]
     assert "rail.envs.base" not in edges["rail.envs.toolcalls"]
+
+
+def test_the_training_loop_never_imports_the_lab():
+    """The research tooling (``rail.lab``) imports the loop, never the other way: nothing outside ``rail.lab``
+    reaches it, directly or through other modules, but the CLI's lab commands."""
+    edges = import_edges(project_modules())
+    lab = {m for m in edges if m == "rail.lab" or m.startswith("rail.lab.")}
+    assert {"rail.lab.ablate", "rail.lab.ablation_report", "rail.lab.adaptivity"} <= lab
+    for mod in sorted(set(edges) - lab - {"rail.cli"}):
+        seen, todo = {mod}, [mod]
+        while todo:
+            for dep in edges.get(todo.pop(), {}):
+                if dep not in seen and dep != "rail.cli":
+                    seen.add(dep)
+                    todo.append(dep)
+        assert not seen & lab, f"{mod} reaches the lab: {sorted(seen & lab)}"
 
 
 def modules_path(mod: str) -> str:

@@ -56,7 +56,7 @@ class FakeParent:
 
 # ---------------------------------------------------------------------------- efficiency beyond the boundary
 def test_budget_to_match_none_beyond_for_an_arm_that_reaches_it_and_one_that_never_does(tmp_path):
-    from rail.ablation_report import write_report
+    from rail.lab.ablation_report import write_report
 
     root = tmp_path / "abl"
     easy = [0.2, 0.3, 0.4]
@@ -98,7 +98,7 @@ def test_budget_to_match_none_beyond_for_an_arm_that_reaches_it_and_one_that_nev
 
 
 def test_budget_to_match_none_beyond_when_rail_needs_the_least(tmp_path):
-    from rail.ablation_report import write_report
+    from rail.lab.ablation_report import write_report
 
     root = tmp_path / "abl"
     easy = [0.2, 0.3, 0.4]
@@ -114,7 +114,7 @@ def test_budget_to_match_none_beyond_when_rail_needs_the_least(tmp_path):
 
 
 def test_without_a_none_arm_budget_to_match_none_beyond_is_empty(tmp_path):
-    from rail.ablation_report import write_report
+    from rail.lab.ablation_report import write_report
 
     root = tmp_path / "abl"
     fake_run(root / "ladder" / "seed0", "ladder", 0, [0.0, 0.1, 0.2], [0.2, 0.3, 0.4])
@@ -127,7 +127,7 @@ def test_without_a_none_arm_budget_to_match_none_beyond_is_empty(tmp_path):
 
 # ---------------------------------------------------------------------------- steps_to_follow on synthetic choices
 def test_steps_to_follow_counts_the_steps_until_the_choices_stay_at_their_steady_state():
-    from rail.adaptivity import follow_distances, steps_to_follow
+    from rail.lab.adaptivity import follow_distances, steps_to_follow
 
     switched = [{"none": 10.0}] * 6 + [{"rubric_hint@violation": 8.0, "none": 2.0}] * 14  # 20 post-shift steps
     # window ceil(20 / 5) = 4 steps; steady state: the last 5 steps (0.8 hint, 0.2 none); a window holding j steps
@@ -151,7 +151,7 @@ def test_steps_to_follow_counts_the_steps_until_the_choices_stay_at_their_steady
 
 
 def test_choice_counts_read_the_shifted_cells_from_the_metrics():
-    from rail.adaptivity import cell_series, choice_counts, shift_of, steps_to_follow
+    from rail.lab.adaptivity import cell_series, choice_counts, shift_of, steps_to_follow
 
     rows = [{"step": 1, "choice/calc/level_1/groups": 4.0, "choice/calc/level_1/intervened": 1.0,
              "choice/calc/level_1/resample@start": 1.0},
@@ -176,7 +176,7 @@ def test_choice_counts_read_the_shifted_cells_from_the_metrics():
 
 
 def test_success_on_the_shifted_mix_from_the_evaluation_before_the_change():
-    from rail.adaptivity import shift_success
+    from rail.lab.adaptivity import shift_success
 
     hist = [{"step": 2 * i, "budget_spent": 32 * i, "success": {"calc": {"1": 0.5, "3": y}, "kin": {"3": 0.0}}}
             for i, y in enumerate([0.0, 0.0, 0.1, 0.3, 0.5])]
@@ -216,7 +216,7 @@ def test_report_with_a_task_mix_shift(tmp_path):
     from matplotlib.image import imread
     from scipy import stats
 
-    from rail.ablation_report import write_report
+    from rail.lab.ablation_report import write_report
 
     root = tmp_path / "abl"
     env = {"families": ["calc"], "levels": [1, 2], "shift_step": 5, "shift_levels": [3], "shift_families": []}
@@ -287,7 +287,7 @@ def test_report_with_a_task_mix_shift(tmp_path):
 
 
 def test_report_without_a_shift_has_no_shift_section_and_still_draws_the_choices(tmp_path):
-    from rail.ablation_report import write_report
+    from rail.lab.ablation_report import write_report
 
     root = tmp_path / "abl"
     for arm in ("none", "ladder"):
@@ -309,7 +309,7 @@ def test_report_without_a_shift_has_no_shift_section_and_still_draws_the_choices
 
 
 def test_a_controller_that_never_settles_is_counted_and_left_out_of_the_mean(tmp_path):
-    from rail.ablation_report import write_report
+    from rail.lab.ablation_report import write_report
 
     root = tmp_path / "abl"
     env = {"families": ["calc"], "levels": [1, 2], "shift_step": 4, "shift_levels": [3]}
@@ -336,7 +336,7 @@ def test_a_controller_that_never_settles_is_counted_and_left_out_of_the_mean(tmp
 
 
 def test_choices_of_an_action_at_its_own_temperature_are_read():
-    from rail import adaptivity
+    from rail.lab import adaptivity
 
     rows = [{"choice/kin/level_3/groups": 2.0, "choice/kin/level_3/intervened": 1.0,
              "choice/kin/level_3/resample@entropy:1.3": 1.0, "choice/kin/level_3/rubric_hint@start": 1.0}]

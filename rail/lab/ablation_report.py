@@ -3,8 +3,8 @@
 ablation directory and logged to its MLflow parent run. Every field is defined in docs/ablation.md.
 
 This module reads the runs, aggregates them and pairs the arms; the figures are drawn by
-:mod:`rail.report_figures` (matplotlib, Agg backend), the markdown written by :mod:`rail.report_markdown`, and
-both share :mod:`rail.report_common` (scipy gives the t-intervals over seeds). Torch-free.
+:mod:`rail.lab.report_figures` (matplotlib, Agg backend), the markdown written by :mod:`rail.lab.report_markdown`, and
+both share :mod:`rail.lab.report_common` (scipy gives the t-intervals over seeds). Torch-free.
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ from typing import Any
 
 import numpy as np
 
-from rail import adaptivity
-from rail.report_common import SHIFT_FIELDS, mean, t_interval
-from rail.report_figures import draw_figures
-from rail.report_markdown import format_markdown
+from rail.lab import adaptivity
+from rail.lab.report_common import SHIFT_FIELDS, mean, t_interval
+from rail.lab.report_figures import draw_figures
+from rail.lab.report_markdown import format_markdown
 
 FIXED = ("none", "dapo", "rti", "actguide", "ladder", "random")  # the fixed controllers (rail/controllers.py)
-STEP_TIMES = ("time/generate_s", "time/score_s", "time/controller_s", "time/update_s")
+STEP_TIMES = ("time/generate_s", "time/rounds_s", "time/score_s", "time/controller_s", "time/update_s")
 FIGURES = ("learning_curves.png", "final_beyond.png", "choices.png", "how_many.png", "choices_by_level.png")
 
 
-# ---------------------------------------------------------------------------- statistics (rail/report_common.py)
+# ---------------------------------------------------------------------------- statistics (rail/lab/report_common.py)
 def _level_mean(success: dict, levels) -> float:
     vals = [rates[str(lv)] for rates in success.values() for lv in levels if str(lv) in rates]
     return float(np.mean(vals)) if vals else float("nan")

@@ -16,7 +16,7 @@ An ablation file (``experiments/ablations/*.toml``, docs/ablation.md) holds:
 A job's config is: the training preset < ``[base]`` < ``[preset.<P>]`` < ``--set`` < ``[arms.<arm>]`` <
 what ``rail ablate`` sets itself (``run.name``, ``run.out``, ``run.seed``, ``run.threads``,
 ``tracking.parent_run_id``). Each job runs as ``python -m rail.cli train --config <job>.toml --no-progress``
-in a worker process (``--backend process``) or in a Ray task (``--backend ray``, rail/ablate_ray.py); a killed
+in a worker process (``--backend process``) or in a Ray task (``--backend ray``, rail/lab/ablate_ray.py); a killed
 job is resumed with ``rail train --resume``; a finished one is skipped.
 
 This module imports no torch at import time (the warm-start cache key is computed lazily), so a bad
@@ -163,7 +163,7 @@ def load_ablation(path: str | Path) -> Ablation:
         _no_managed(table, where)
         arms[arm] = table
         docs[arm] = doc
-    from rail.ablate_ray import parse_resources  # (imports no ray)
+    from rail.lab.ablate_ray import parse_resources  # (imports no ray)
 
     resources = parse_resources(raw.get("resources", {}), str(p))
     ab = Ablation(p, name, description, seeds, base, presets, arms, docs, text, resources)
@@ -451,14 +451,14 @@ class ProcessBackend:
 
 def make_backend(name: str, ab: Ablation, address: str | None = None, num_cpus: float | None = None,
                  num_gpus: float | None = None):
-    """``--backend``: ``process`` (local worker processes) or ``ray`` (Ray tasks; rail/ablate_ray.py)."""
+    """``--backend``: ``process`` (local worker processes) or ``ray`` (Ray tasks; rail/lab/ablate_ray.py)."""
     if name == "process":
         for flag, value in (("--address", address), ("--num-cpus", num_cpus), ("--num-gpus", num_gpus)):
             if value is not None:
                 raise ConfigError(f"{flag}: only with --backend ray")
         return ProcessBackend()
     if name == "ray":
-        from rail.ablate_ray import RayBackend, job_resources
+        from rail.lab.ablate_ray import RayBackend, job_resources
 
         return RayBackend(job_resources(ab.resources, num_cpus, num_gpus), address)
     raise ConfigError(f"--backend {name}: unknown; valid: process, ray")
@@ -700,7 +700,7 @@ class AblationRunner:
                                               if failed else ""))
         try:
             if report:
-                from rail.ablation_report import write_report
+                from rail.lab.ablation_report import write_report
 
                 try:
                     res = write_report(self.out, parent=self.parent)

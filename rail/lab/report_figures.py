@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from rail import adaptivity
-from rail.report_common import cell_order, mean, smooth
+from rail.lab import adaptivity
+from rail.lab.report_common import cell_order, mean, smooth
 
 
 def _by_operator(series: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Per-key series summed per operator (:func:`rail.adaptivity.operator`): the figures colour operators,
+    """Per-key series summed per operator (:func:`rail.lab.adaptivity.operator`): the figures colour operators,
     whatever the temperature."""
     out: dict[str, np.ndarray] = {}
     for k, v in series.items():

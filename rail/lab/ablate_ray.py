@@ -1,6 +1,6 @@
 """``rail ablate --backend ray``: every (arm, seed) job a Ray task, on a local Ray instance or an existing cluster.
 
-The scheduling, bookkeeping, MLflow parent run, resume rules and report are :class:`rail.ablate.AblationRunner`'s,
+The scheduling, bookkeeping, MLflow parent run, resume rules and report are :class:`rail.lab.ablate.AblationRunner`'s,
 shared with the process backend; this module only translates "start this job" and "is it done" into Ray. A job's
 task runs the same ``python -m rail.cli train ...`` command the process backend runs, as a child process of the
 Ray worker, with the same torch thread count and the same log files, so its figures are the process backend's.

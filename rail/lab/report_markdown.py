@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from rail.report_common import SHIFT_FIELDS, cell_order, ci_text, mean
+from rail.lab.report_common import SHIFT_FIELDS, cell_order, ci_text, mean
 
 
 def _f(v, nd: int = 3) -> str:
