@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from controller import estimators
+from controller.records import Decision, Intervention
 from controller.vw import Bandit, compact, dsjson_text
 
 NONE = "none"
@@ -51,40 +52,16 @@ def write_atomic(path: Path, data: str | bytes) -> None:
 
 
 @dataclass
-class Arm:
-    """One of the bandit's arms: a candidate intervention with a unique ``name`` within its query, features for the
-    bandit, and its cost."""
+class Context:
+    """What the bandit decides on for one group (a context in Vowpal Wabbit's sense: shared features and the
+    actions available): the group's ``features``, the legal ``interventions`` (each with its action features
+    and cost; doing nothing is added as action 0), and the name of the intervention the shadowed heuristic would
+    take (None: nothing)."""
 
-    name: str
-    features: dict
-    cost: float
-
-
-@dataclass
-class Query:
-    """One decision request, for one group: its context and arms. ``heuristic`` is the name of the arm the shadowed
-    heuristic would take (None: no intervention)."""
-
-    id: str
-    context: dict
-    actions: list[Arm]
-    heuristic: str | None = None
-
-
-@dataclass
-class Draw:
-    """The bandit's decision for one query: the arm drawn from the logged PMF, with its propensity."""
-
-    id: str  # event id, used to report the outcome
     group: str
-    action: Arm  # Arm(NONE, ..., 0) for no intervention
-    index: int  # position in the decision's action list (0 = none)
-    propensity: float  # probability with which it was chosen
-    mode: str
-
-    @property
-    def intervenes(self) -> bool:
-        return self.action.name != NONE
+    features: dict
+    interventions: Sequence[Intervention]
+    heuristic: str | None = None
 
 
 @dataclass
@@ -192,37 +169,37 @@ class LearnedController:
         return self._trace_path
 
     # ------------------------------------------------------------------ decide
-    def decide(self, groups: Sequence[Query], budget: float, tag: str = "") -> list[Draw]:
-        """One decision per group (in the order of ``groups``), spending at most ``budget`` in total.
+    def decide(self, contexts: Sequence[Context], budget: float, tag: str = "") -> list[Decision]:
+        """One decision per context (in the order of ``contexts``), spending at most ``budget`` in total.
 
-        Groups are served in order of their best predicted reward (ties: by id); each chooses among the
+        Groups are served in order of their best predicted reward (ties: by group id); each chooses among the
         actions that still fit the budget, and the PMF it was drawn from is logged, so every propensity is the
         true probability of what was done.
         """
         prepared = []
-        for pos, g in enumerate(groups):
-            acts = [Arm(NONE, {"none": 1.0}, 0.0), *g.actions]
-            names = [a.name for a in acts]
+        for pos, g in enumerate(contexts):
+            acts: list[Intervention | None] = [None, *g.interventions]
+            names = [NONE, *(a.name for a in g.interventions)]
             if len(set(names)) != len(names):
-                raise ValueError(f"group {g.id}: action names must be unique, got {names}")
+                raise ValueError(f"group {g.group}: intervention names must be unique and not {NONE!r}, got {names}")
             if g.heuristic is not None and g.heuristic not in names:
-                raise ValueError(f"group {g.id}: heuristic action {g.heuristic!r} is not among its actions")
+                raise ValueError(f"group {g.group}: heuristic {g.heuristic!r} is not among its interventions")
             # the event's context is rendered once, as the trace will hold it, and parsed once for both workspaces
-            shared = compact(_features(g.context))
-            costs = [a.cost for a in acts]
-            texts = self._action_texts(names, costs, acts)
+            shared = compact(_features(g.features))
+            costs = [0.0, *(float(a.cost) for a in g.interventions)]
+            texts = self._action_texts(names, costs, [{}, *(a.features for a in g.interventions)])
             ctx = _context_text(shared, texts)
             ex = self.bandit.parse(ctx)
             q = self.bandit.score_examples(ex)
             prepared.append((g, acts, names, costs, shared, texts, ctx, ex, q, pos))
         if len(prepared) > 1:
-            prepared.sort(key=lambda x: (-max(x[8]), x[0].id))
+            prepared.sort(key=lambda x: (-max(x[8]), x[0].group))
         left = float(budget)
         out: list = [None] * len(prepared)
         for g, fit, names, costs, shared, texts, ctx, ex, q, pos in prepared:
             if max(costs) > left + 1e-9:  # some actions no longer fit: the context and scores are of those that do
                 keep = [i for i, c in enumerate(costs) if c <= left + 1e-9]
-                fit, names = [fit[i] for i in keep], [names[i] for i in keep]
+                fit, names, costs = [fit[i] for i in keep], [names[i] for i in keep], [costs[i] for i in keep]
                 ctx = _context_text(shared, [texts[i] for i in keep])
                 ex = self.bandit.parse(ctx)
                 q = self.bandit.score_examples(ex)
@@ -233,20 +210,19 @@ class LearnedController:
             h, h_mix = [0.0] * k, [he / k] * k
             h[j], h_mix[j] = 1.0, (1 - he) + he / k
             logging = h_mix if self.mode == "shadow" else pi
-            eid = f"{tag}{g.id}#{self.decided}"
+            eid = f"{tag}{g.group}#{self.decided}"
             i = _sample(logging, _uniform01(self.seed, eid, self._mt))
             self.decided += 1
-            left -= fit[i].cost
-            self._pending[eid] = (ctx, ex, names, fit, i, logging, pi, h, q, self.mode)
-            out[pos] = Draw(eid, g.id, fit[i], i, logging[i], self.mode)
+            left -= costs[i]
+            self._pending[eid] = (ctx, ex, names, costs, i, logging, pi, h, q, self.mode)
+            out[pos] = Decision(eid, g.group, fit[i], logging[i], self.mode)
         return out
 
-    def _action_texts(self, names: list[str], costs: list[float], acts: list[Arm]) -> list[str]:
+    def _action_texts(self, names: list[str], costs: list[float], feats: list[dict]) -> list[str]:
         """Each action's ``a`` namespace as compact JSON (``none`` first). Menus repeat across groups and steps,
         so the texts of a menu (its action names) are kept and reused while every cost and feature is the same,
         in the same order (``-0.0`` matches ``0.0`` there: VW reads the same feature from either text, and the
         trace holds the text it parsed)."""
-        feats = [a.features for a in acts]
         key = tuple(names)
         hit = self._rendered.get(key)
         if hit is not None and hit[0] == costs and hit[1] == feats and hit[2] == [tuple(f) for f in feats]:
@@ -267,10 +243,10 @@ class LearnedController:
         if not (isinstance(reward, (int, float)) and math.isfinite(reward)):
             raise ValueError(f"decision {decision_id}: reward {reward!r} is not a finite number")
         r = min(1.0, max(0.0, float(reward)))
-        ctx, ex, names, fit, i, logging, pi, h, q, mode = ev
+        ctx, ex, names, costs, i, logging, pi, h, q, mode = ev
         self.bandit.learn_examples(ex, i, -r, max(logging[i], 1e-12))
         if self._trace_path is not None:
-            extra = {"_mode": mode, "_actions": names, "_costs": [a.cost for a in fit], "_pi": pi, "_h": h, "_q": q,
+            extra = {"_mode": mode, "_actions": names, "_costs": costs, "_pi": pi, "_h": h, "_q": q,
                      "_learn_seq": self.learned}
             if outcome:
                 extra["_outcome"] = outcome

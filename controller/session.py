@@ -1,18 +1,18 @@
 """The controller seam: what a trainer hands the learned controller in a training step and what it gets back.
 
 Any GRPO-style trainer (rail's own, TRL's ``GRPOTrainer`` through a ``rollout_func``, a verl agent loop, a
-home-grown loop) drives one :class:`Session` with plain records; nothing here knows about models, tokens or
-torch. One step::
+home-grown loop) drives one :class:`Session` with the records of :mod:`controller.records`; nothing here knows
+about models, tokens or torch. One step::
 
     s.begin_step(step, total_steps, step_budget)
-    s.add([Group(...), ...])           # the step's scored base groups, each with its legal, priced options
+    s.add([Group(...), ...])                 # the step's scored base groups, each with its menu of interventions
     while True:                              # rounds
-        choices = s.decide(budget_left)      # a Choice for every group asked this round
-        if not any(c.intervenes for c in choices):
+        decisions = s.decide(budget_left)    # a Decision for every group asked this round
+        if not any(d.intervenes for d in decisions):
             break
-        for c in choices:
-            if c.intervenes:                 # run c.option (c.option.ref is the trainer's own object for it)
-                s.ran(c.id, rollouts, cost)  # its scored rollouts and what it actually cost
+        for d in decisions:
+            if d.intervenes:                 # run d.intervention (its .ref is the trainer's own object for it)
+                s.ran(d.id, rollouts, cost)  # its scored rollouts and what it actually cost
     s.end_step()                             # rewards, learning, traces, the gate, pass rates
 
 and between steps ``state_dict()`` / ``load_state_dict()`` (or ``save`` / ``load``) with the trainer's
@@ -23,14 +23,15 @@ trainer"):
   progress, the first violated item and its turn of the rollout an intervention would branch from, tool
   failures, mean behaviour log-prob), the recent pass rate of its family/level, training progress, the budget
   left and, in later rounds, what was already tried on it;
-* **the menu as bandit actions**: the trainer's options (``how@where`` key, size, cost, features) plus doing
-  nothing, with the option's share of the step budget as a feature; options beyond a group's ``capacity``
-  (TRL: its free slots) are left out;
+* **the menu as bandit actions**: the group's interventions (``how@where`` key, size, cost, features) plus doing
+  nothing, with the intervention's share of the step budget as a feature; interventions beyond a group's
+  ``capacity`` (TRL: its free slots) are left out;
 * **the shadowed heuristic** and **who is asked each round**: the rung rule of :mod:`controller.heuristic`, the
-  same function rail's ``ladder`` and ``rti`` controllers run: round 0 asks every group added before it, each
-  later round the groups whose intervention in the round before ran and left them without a success; the
-  heuristic takes the ladder's first untried rung among the group's options at the ladder's size (or, not
-  escalating, RTI's one hint), nothing for a group with a success;
+  same functions rail's ``ladder`` and ``rti`` controllers run, budget included (:func:`~controller.heuristic.
+  rung_plan`, groups in the order added): round 0 asks every group added before it, each later round the groups
+  whose intervention in the round before ran and left them without a success; the heuristic takes the ladder's
+  first untried rung among the group's interventions at the ladder's size (or, not escalating, RTI's one hint),
+  nothing for a group with a success;
 * **the reward** of every decision (``controller.reward``): the signal its accepted rollouts added to what the
   group had before it, weighted by headroom, per unit of cost; doing nothing earns the opportunity of fresh
   base groups;
@@ -43,71 +44,15 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import chain
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from controller import reward as R
-from controller.heuristic import asked as _asked, next_rung
-from controller.core import NONE, Arm, Query, LearnedController, Settings, write_atomic
-
-
-@dataclass
-class Rollout:
-    """One scored rollout, as the trainer saw it."""
-
-    reward: float
-    success: bool
-    progress: float | None = None  # rubric progress in [0, 1]; None: the task has no rubric
-    violated_item: int | None = None  # the first rubric item it violated (None: none)
-    violated_turn: int | None = None  # the turn at which it did
-    tool_calls: int = 0  # tool calls it made
-    tool_failures: int = 0  # ... of which failed
-    logprobs: Sequence[float] = ()  # behaviour log-probs of the tokens the policy sampled (not tool or injected ones)
-    tokens: int = 0  # tokens it generated (a copied prefix not counted)
-    accepted: bool = True  # the learner trains on it (False: a filter, e.g. a shift filter, dropped it)
-
-
-@dataclass
-class Option:
-    """A legal intervention on a group, priced before anything runs."""
-
-    name: str  # unique within the group; names the action in traces
-    key: str  # operator and branch point, "how@where": what the heuristic's ladder and ``tried`` speak of
-    size: int  # rollouts it runs
-    cost: float  # in the budget's unit (rollouts or tokens)
-    features: dict = field(default_factory=dict)  # action features for the bandit (strings categorical)
-    ref: Any = None  # the trainer's own object for it, handed back in the Choice; never logged
-
-
-@dataclass
-class Group:
-    """One task's group of base rollouts, scored, with its legal options."""
-
-    id: str  # unique within the step; part of every event id
-    family: str  # kind of task
-    level: int | str  # difficulty; family/level is the cell of the pass-rate EMA
-    rollouts: Sequence[Rollout]  # the base (on-policy, unguided) rollouts
-    options: Sequence[Option] = ()
-    capacity: float | None = None  # the most its interventions may cost this step (TRL: free slots); None: no cap
-
-
-@dataclass
-class Choice:
-    """The controller's decision for one group in one round: ``option`` None means do nothing."""
-
-    id: str  # event id: report the outcome under it
-    group: str
-    option: Option | None
-    propensity: float  # the probability with which it was chosen
-    mode: str  # "shadow" (the randomised heuristic acted) or "live" (the bandit acted)
-    round: int
-    heuristic: Option | None = None  # what the shadowed heuristic would do (controller.heuristic), acting or not
-
-    @property
-    def intervenes(self) -> bool:
-        return self.option is not None
+from controller.core import NONE, Context, LearnedController, Settings, write_atomic
+from controller.heuristic import actionable, asked as _asked, fits, rung_plan
+from controller.records import Decision, Group, Intervention, Rollout
 
 
 @dataclass
@@ -117,7 +62,7 @@ class SessionSettings:
     bandit: Settings = field(default_factory=Settings)
     ladder: tuple[str, ...] = ("resample@violation", "rubric_hint@violation", "guided_step@violation",
                                "action_guide@start")  # the shadowed heuristic's rungs (keys), cheapest first
-    ladder_size: int = 2  # the heuristic's option size on every rung
+    ladder_size: int = 2  # the heuristic's intervention size on every rung
     heuristic_escalates: bool = True  # False: the heuristic acts only on a group nothing was tried on (RTI)
     group_size: int = 8  # rollouts of a fresh base group: what doing nothing buys instead
     unit: float = 2.0  # rollouts of the cheapest intervention: the reward's unit of cost
@@ -150,27 +95,13 @@ def branch_source(rollouts: Sequence[Rollout]) -> int | None:
                                       rollouts[i].violated_turn or 0, -i))
 
 
-class _GroupState:
-    """A group's bookkeeping within a step."""
-
-    __slots__ = ("rec", "cell", "n_success", "tried", "ran", "static")
-
-    def __init__(self, rec: Group):
-        self.rec = rec
-        self.cell = f"{rec.family}/{rec.level}"
-        self.n_success = sum(1 for r in rec.rollouts if r.success)  # base and every intervention that ran
-        self.tried: list[str] = []  # keys of the interventions that ran on it this step, in order
-        self.ran: list[str] = []  # their event ids
-        self.static: dict | None = None  # the context's step-constant part
-
-    @property
-    def base_pass(self) -> float:
-        rs = self.rec.rollouts
-        return sum(1 for r in rs if r.success) / len(rs)
+def base_pass(g: Group) -> float:
+    """The share of a group's base rollouts that succeeded."""
+    return sum(1 for r in g.rollouts if r.success) / len(g.rollouts)
 
 
 class Session:
-    """The learned controller for one training run, spoken to in groups, options and outcomes."""
+    """The learned controller for one training run, spoken to in groups, interventions and decisions."""
 
     def __init__(self, settings: SessionSettings | None = None, seed: int = 0,
                  trace_dir: str | os.PathLike | None = None):
@@ -181,20 +112,24 @@ class Session:
         self.seconds = 0.0  # time spent in the session's own methods
         self.step, self.total_steps, self.step_budget = 0, 1, 1.0
         self.round = 0
-        self._groups: dict[str, _GroupState] = {}
-        self._made: list[tuple[str, _GroupState, Option | None, list[str]]] = []  # (event, group, option, ran before it)
-        self._by_id: dict[str, tuple] = {}
+        # the step: its groups (in the order added), and per group the event ids of the interventions that ran
+        # on it (in order) and the step-constant part of its context
+        self._groups: dict[str, Group] = {}
+        self._ran: dict[str, list[str]] = {}
+        self._static: dict[str, dict] = {}
+        self._made: list[tuple[Decision, list[str]]] = []  # every decision, with the events that ran before it
+        self._by_id: dict[str, Decision] = {}
         self._outcomes: dict[str, tuple[list[Rollout], float]] = {}
 
     # ------------------------------------------------------------------ the step
     def begin_step(self, step: int, total_steps: int, step_budget: float) -> None:
         """Start step ``step`` of ``total_steps`` (training progress is their ratio); ``step_budget`` is what the
-        whole step may spend (the option's share of it and the share left are features)."""
+        whole step may spend (the intervention's share of it and the share left are features)."""
         if self._made:
             raise RuntimeError("begin_step: the previous step was not ended (call end_step)")
         self.step, self.total_steps, self.step_budget = step, max(1, total_steps), max(1, step_budget)
         self.round = 0
-        self._groups, self._outcomes = {}, {}
+        self._groups, self._ran, self._static, self._outcomes = {}, {}, {}, {}
 
     def add(self, groups: Sequence[Group]) -> None:
         """The step's scored base groups. Groups added after round 0 are not decided for, but count in the
@@ -202,74 +137,70 @@ class Session:
         for g in groups:
             if g.id in self._groups:
                 raise ValueError(f"group {g.id!r} was already added this step")
-            names = [o.name for o in g.options]
+            names = [o.name for o in g.menu]
             if len(set(names)) != len(names) or NONE in names:
-                raise ValueError(f"group {g.id}: option names must be unique and not {NONE!r}, got {names}")
-            self._groups[g.id] = _GroupState(g)
+                raise ValueError(f"group {g.id}: intervention names must be unique and not {NONE!r}, got {names}")
+            self._groups[g.id] = g
+            self._ran[g.id] = []
 
-    def decide(self, budget: float) -> list[Choice]:
-        """This round's choices, spending at most ``budget`` in total: one per group asked (round 0: every group
+    def decide(self, budget: float) -> list[Decision]:
+        """This round's decisions, spending at most ``budget`` in total: one per group asked (round 0: every group
         with base rollouts; later rounds: those whose last intervention ran and left them without a success). An
-        empty list, or choices that all do nothing, end the step's rounds."""
+        empty list, or decisions that all do nothing, end the step's rounds."""
         t0 = time.perf_counter()
         r = self.round
         self.round += 1
-        asked, requests = [], []
-        for gs in self._groups.values():
-            rec = gs.rec
-            if not rec.rollouts or not _asked(r, gs.tried, gs.n_success > 0):
-                continue
-            opts = self._affordable(gs)
-            acts = [Arm(o.name, {**o.features, "cost_share": o.cost / self.step_budget}, float(o.cost))
-                    for o in opts]
-            h = self._heuristic(gs, opts)
-            requests.append(Query(rec.id, self._context(gs, budget, r), acts, heuristic=h))
-            asked.append((gs, {o.name: o for o in opts}))
-        made = self.ctl.decide(requests, budget, tag=f"s{self.step}-")
+        asked = [g for g in self._groups.values() if g.rollouts and _asked(r, self._tried(g.id), self._solved(g.id))]
+        menus = {g.id: self._affordable(g) for g in asked}
+        plan = rung_plan(((g.id, self._tried(g.id), self._solved(g.id),
+                           actionable(((o.key, o.cost, o) for o in menus[g.id] if o.size == self.s.ladder_size),
+                                      None)) for g in asked),
+                         self.s.ladder, budget, self.s.heuristic_escalates)
+        contexts = [Context(g.id, self._context(g, budget, r),
+                            [replace(o, features={**o.features, "cost_share": o.cost / self.step_budget})
+                             for o in menus[g.id]],
+                            heuristic=plan[g.id][1].name if g.id in plan else None) for g in asked]
         out = []
-        for d, (gs, by_name) in zip(made, asked):
-            opt = by_name.get(d.action.name) if d.intervenes else None
-            self._made.append((d.id, gs, opt, list(gs.ran)))
-            self._by_id[d.id] = self._made[-1]
-            h = self._by_name(gs, requests[len(out)].heuristic)
-            out.append(Choice(d.id, gs.rec.id, opt, d.propensity, d.mode, r, heuristic=h))
+        for d, g in zip(self.ctl.decide(contexts, budget, tag=f"s{self.step}-"), asked):
+            by_name = {o.name: o for o in menus[g.id]}
+            d = replace(d, round=r, intervention=by_name[d.intervention.name] if d.intervenes else None,
+                        heuristic=plan[g.id][1] if g.id in plan else None)
+            self._made.append((d, list(self._ran[g.id])))
+            self._by_id[d.id] = d
+            out.append(d)
         self.seconds += time.perf_counter() - t0
         return out
 
-    def ran(self, choice_id: str, rollouts: Sequence[Rollout], cost: float) -> None:
-        """The intervention of ``choice_id`` ran: its scored rollouts (in order) and what it cost. An intervening
-        choice never reported here (it did not fit, or the trainer skipped it) teaches nothing."""
+    def ran(self, decision_id: str, rollouts: Sequence[Rollout], cost: float) -> None:
+        """The intervention of ``decision_id`` ran: its scored rollouts (in order) and what it cost. An intervening
+        decision never reported here (it did not fit, or the trainer skipped it) teaches nothing."""
         t0 = time.perf_counter()
-        entry = self._by_id.get(choice_id)
-        if entry is None or entry[2] is None:
-            raise KeyError(f"{choice_id!r} is not an intervention decided this step")
-        if choice_id in self._outcomes:
-            raise KeyError(f"{choice_id!r} was already reported")
-        gs = entry[1]
-        self._outcomes[choice_id] = (list(rollouts), cost)
-        gs.tried.append(entry[2].key)
-        gs.ran.append(choice_id)
-        gs.n_success += sum(1 for x in rollouts if x.success)
+        d = self._by_id.get(decision_id)
+        if d is None or d.intervention is None:
+            raise KeyError(f"{decision_id!r} is not an intervention decided this step")
+        if decision_id in self._outcomes:
+            raise KeyError(f"{decision_id!r} was already reported")
+        self._outcomes[decision_id] = (list(rollouts), cost)
+        self._ran[d.group].append(decision_id)
         self.seconds += time.perf_counter() - t0
 
     def end_step(self, accepted: Mapping[str, Sequence[bool]] | None = None) -> None:
         """Reward every decision of the step and learn from it; update the pass rates.
 
-        ``accepted`` (per choice id, per rollout in the order reported) overrides the rollouts' own ``accepted``
+        ``accepted`` (per decision id, per rollout in the order reported) overrides the rollouts' own ``accepted``
         fields, for a trainer whose filters run after the rounds (rail's shift filter).
         """
         t0 = time.perf_counter()
         accepted = accepted or {}
         s = self.s
-        groups = list(self._groups.values())
-        base = [gs for gs in groups if gs.rec.rollouts]
+        base = [g for g in self._groups.values() if g.rollouts]
         per_rollout = 1.0
         if s.budget_unit == "tokens":
-            gen = [r.tokens for gs in groups for r in gs.rec.rollouts]
+            gen = [r.tokens for g in self._groups.values() for r in g.rollouts]
             per_rollout = max(1.0, sum(gen) / len(gen) if gen else 1.0)
         unit = s.unit * per_rollout
-        opp = R.opportunity([[r.reward for r in gs.rec.rollouts] for gs in base], s.group_size * per_rollout, unit,
-                            [self._headroom(gs) for gs in base])
+        opp = R.opportunity([[r.reward for r in g.rollouts] for g in base], s.group_size * per_rollout, unit,
+                            [self._headroom(g) for g in base])
 
         def kept(eid: str) -> list[Rollout]:
             rs, _ = self._outcomes[eid]
@@ -278,68 +209,65 @@ class Session:
                 raise ValueError(f"{eid}: {len(acc)} accepted flags for {len(rs)} rollouts")
             return [x for x, a in zip(rs, acc) if a]
 
-        for eid, gs, opt, earlier in self._made:
-            if opt is None:
-                self.ctl.feedback(eid, opp, {"opportunity": opp})
+        for d, earlier in self._made:
+            if d.intervention is None:
+                self.ctl.feedback(d.id, opp, {"opportunity": opp})
                 continue
-            if eid not in self._outcomes:
-                self.ctl.abandon(eid)
+            if d.id not in self._outcomes:
+                self.ctl.abandon(d.id)
                 continue
-            rollouts, cost = self._outcomes[eid]
-            keep = kept(eid)
+            g = self._groups[d.group]
+            rollouts, cost = self._outcomes[d.id]
+            keep = kept(d.id)
             acc_rewards = [x.reward for x in keep]
-            before = [x.reward for x in gs.rec.rollouts if x.accepted]
+            before = [x.reward for x in g.rollouts if x.accepted]
             for e in earlier:
                 before += [x.reward for x in kept(e)]
-            h = self._headroom(gs)
+            h = self._headroom(g)
             r = R.reward(before, acc_rewards, max(cost, 1), unit, s.compose, headroom=h)
-            self.ctl.feedback(eid, r, {"cost": cost, "rollouts": len(rollouts), "accepted": len(acc_rewards),
-                                       "successes": sum(1 for x in keep if x.success), "headroom": round(h, 6)})
+            self.ctl.feedback(d.id, r, {"cost": cost, "rollouts": len(rollouts), "accepted": len(acc_rewards),
+                                        "successes": sum(1 for x in keep if x.success), "headroom": round(h, 6)})
         w = s.pass_rate_weight
-        for gs in base:  # drift made visible: the recent pass rate per family/level
-            rate = gs.base_pass
-            self.pass_rate[gs.cell] = (1 - w) * self.pass_rate.get(gs.cell, rate) + w * rate
+        for g in base:  # drift made visible: the recent pass rate per family/level
+            rate = base_pass(g)
+            self.pass_rate[g.cell] = (1 - w) * self.pass_rate.get(g.cell, rate) + w * rate
         self._made, self._by_id, self._outcomes = [], {}, {}
         self.seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ what a group looks like
-    def _affordable(self, gs: _GroupState) -> list[Option]:
-        cap = gs.rec.capacity
-        if cap is None:
-            return list(gs.rec.options)
-        left = cap - sum(self._outcomes[e][1] for e in gs.ran)
-        return [o for o in gs.rec.options if o.cost <= left + 1e-9]
+    def _tried(self, gid: str) -> list[str]:
+        """The keys of the interventions that ran on group ``gid`` this step, in order."""
+        return [self._by_id[e].intervention.key for e in self._ran[gid]]
 
-    def _recent_pass(self, gs: _GroupState) -> float:
+    def _solved(self, gid: str) -> bool:
+        """Whether group ``gid`` has a success: a base rollout, or one of an intervention that ran on it."""
+        return any(r.success for r in self._groups[gid].rollouts) or any(
+            x.success for e in self._ran[gid] for x in self._outcomes[e][0])
+
+    def _affordable(self, g: Group) -> list[Intervention]:
+        """Its interventions within its capacity, less what ran on it."""
+        room = None if g.capacity is None else g.capacity - sum(self._outcomes[e][1] for e in self._ran[g.id])
+        return [o for o in g.menu if fits(o.cost, room)]
+
+    def _recent_pass(self, g: Group) -> float:
         """The recent unguided pass rate of the group's family/level (before this step's update); a family/level
         seen for the first time uses the group's own base rollouts."""
-        return self.pass_rate.get(gs.cell, gs.base_pass)
+        return self.pass_rate.get(g.cell, base_pass(g))
 
-    def _headroom(self, gs: _GroupState) -> float:
+    def _headroom(self, g: Group) -> float:
         """1 - the recent pass rate its context saw."""
-        return min(1.0, max(0.0, 1.0 - self._recent_pass(gs)))
+        return min(1.0, max(0.0, 1.0 - self._recent_pass(g)))
 
-    def _heuristic(self, gs: _GroupState, options: Sequence[Option]) -> str | None:
-        """The shadowed heuristic's option among ``options`` (the group's affordable ones): the rung rule of
-        :mod:`controller.heuristic` over the ladder, at the ladder's size; None for nothing."""
-        sized = {o.key: o.name for o in options if o.size == self.s.ladder_size}
-        key = next_rung(self.s.ladder, gs.tried, sized, gs.n_success > 0, self.s.heuristic_escalates)
-        return None if key is None else sized[key]
+    def _context(self, g: Group, budget: float, rnd: int) -> dict:
+        if g.id not in self._static:
+            self._static[g.id] = self._static_context(g)
+        tried = self._tried(g.id)
+        return {**self._static[g.id], "budget_left": budget / self.step_budget, "round": float(rnd),
+                "tried": float(len(tried)), "last_tried": tried[-1] if tried else "none"}
 
-    @staticmethod
-    def _by_name(gs: _GroupState, name: str | None) -> Option | None:
-        return None if name is None else next(o for o in gs.rec.options if o.name == name)
-
-    def _context(self, gs: _GroupState, budget: float, rnd: int) -> dict:
-        if gs.static is None:
-            gs.static = self._static_context(gs)
-        return {**gs.static, "budget_left": budget / self.step_budget, "round": float(rnd),
-                "tried": float(len(gs.tried)), "last_tried": gs.tried[-1] if gs.tried else "none"}
-
-    def _static_context(self, gs: _GroupState) -> dict:
+    def _static_context(self, g: Group) -> dict:
         """The part of a group's context that holds for the whole step."""
-        rec = gs.rec
-        base = rec.rollouts
+        base = g.rollouts
         rewards = [r.reward for r in base]
         n = len(rewards)
         mean = sum(rewards) / n if n else 0.0
@@ -348,7 +276,7 @@ class Session:
         made = sum(r.tool_calls for r in base)
         n_lp = sum(len(r.logprobs) for r in base)
         return {
-            "family": rec.family, "level": str(rec.level), "family_level": gs.cell,
+            "family": g.family, "level": str(g.level), "family_level": g.cell,
             "successes": float(sum(1 for r in base if r.success)), "success_rate": mean,
             "reward_spread": (sum((x - mean) ** 2 for x in rewards) / n) ** 0.5 if n else 0.0,
             "progress_mean": sum(prog) / len(prog) if prog else 0.0, "progress_max": max(prog) if prog else 0.0,
@@ -356,7 +284,7 @@ class Session:
             "violated_turn": 0.0 if src is None else float(base[src].violated_turn or 0),
             "tool_failure_rate": (sum(r.tool_failures for r in base) / made) if made else 0.0,
             "logprob_mean": sum(chain.from_iterable(r.logprobs for r in base)) / n_lp if n_lp else 0.0,
-            "pass_rate": self._recent_pass(gs),
+            "pass_rate": self._recent_pass(g),
             "train_progress": self.step / self.total_steps,
         }
 

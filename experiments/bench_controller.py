@@ -17,16 +17,15 @@ from pathlib import Path
 
 import numpy as np
 
-from controller import (Arm, Query, LearnedController, Option, Rollout, Group, Session, SessionSettings,
-                        Settings)
+from controller import Context, Group, Intervention, LearnedController, Rollout, Session, SessionSettings, Settings
 
 HOWS = ("resample", "rubric_hint", "action_guide", "guided_step")
 WHERES = ("start", "violation", "before")
 
 
-def synthetic_group(rng: np.random.Generator, i: int) -> tuple[Query, dict[str, float]]:
-    """A group request with the trainer's context keys and a menu of 9 operators x 2 sizes, plus a hidden
-    reward per action that depends on the context (so the bandit has something to learn)."""
+def synthetic_group(rng: np.random.Generator, i: int) -> tuple[Context, dict[str, float]]:
+    """A group's bandit context with the trainer's context keys and a menu of 7 operators x 2 sizes, plus a hidden
+    reward per intervention that depends on the context (so the bandit has something to learn)."""
     level = int(rng.integers(1, 5))
     succ = int(rng.integers(0, 3)) if level <= 2 else 0
     ctx = {"family": "calc" if i % 2 else "lookup", "level": str(level), "family_level": f"f{i % 2}/{level}",
@@ -41,10 +40,10 @@ def synthetic_group(rng: np.random.Generator, i: int) -> tuple[Query, dict[str, 
         for where in WHERES[: 2 if how != "guided_step" else 1]:
             for k in (2, 4):
                 name = f"{how}@{where}x{k}"
-                acts.append(Arm(name, {f"how={how}": 1.0, f"where={where}": 1.0, "how_many": float(k),
-                                          "cost_share": k / 128}, float(k)))
+                acts.append(Intervention(name, f"{how}@{where}", k, float(k), {
+                    f"how={how}": 1.0, f"where={where}": 1.0, "how_many": float(k), "cost_share": k / 128}))
                 truth[name] = (0.6 if (how == "guided_step") == (level >= 3) else 0.2) / (k / 2)
-    return Query(f"g{i}", ctx, acts, heuristic=acts[0].name), truth
+    return Context(f"g{i}", ctx, acts, heuristic=acts[0].name), truth
 
 
 def decision_latency(events: int, seed: int) -> dict:
@@ -55,7 +54,7 @@ def decision_latency(events: int, seed: int) -> dict:
         g, truth = synthetic_group(rng, i)
         t = time.perf_counter()
         (d,) = ctl.decide([g], budget=64, tag=f"b{i}-")
-        r = truth.get(d.action.name, 0.3)
+        r = truth.get(d.intervention.name, 0.3) if d.intervenes else 0.3
         ctl.feedback(d.id, float(rng.random() < r))
         times.append(time.perf_counter() - t)
     batch_times = []
@@ -67,7 +66,7 @@ def decision_latency(events: int, seed: int) -> dict:
             ctl.feedback(d.id, 0.5)
         batch_times.append((time.perf_counter() - t) / 16)
     us = [x * 1e6 for x in times]
-    return {"measure": "decision", "events": events, "actions_per_group": len(g.actions) + 1,
+    return {"measure": "decision", "events": events, "actions_per_group": len(g.interventions) + 1,
             "us_per_decision": statistics.median(us), "us_p90": float(np.percentile(us, 90)),
             "us_per_decision_batched16": statistics.median(x * 1e6 for x in batch_times)}
 
@@ -80,18 +79,19 @@ def session_latency(events: int, seed: int) -> dict:
     times = []
     for i in range(events):
         g, truth = synthetic_group(rng, i)
-        level = int(g.context["level"])
+        level = int(g.features["level"])
         rollouts = [Rollout(float(ok), bool(ok), float(rng.random()), None if ok else int(rng.integers(0, 4)),
                             int(rng.integers(0, 4)), 3, int(rng.integers(0, 2)), list(-rng.random(100)), 100)
                     for ok in rng.random(8) < 0.5 / level]
-        options = [Option(a.name, a.name.split("x")[0], int(a.cost), a.cost, a.features) for a in g.actions]
+        menu = [Intervention(a.name, a.key, a.size, a.cost, {k: v for k, v in a.features.items() if k != "cost_share"})
+                for a in g.interventions]
         t = time.perf_counter()
         s.begin_step(i, events, 128)
-        s.add([Group("g", g.context["family"], level, rollouts, options)])
-        (c,) = s.decide(64)
-        if c.intervenes:
-            ok = rng.random(c.option.size) < truth.get(c.option.name, 0.3)
-            s.ran(c.id, [Rollout(float(x), bool(x)) for x in ok], c.option.cost)
+        s.add([Group("g", g.features["family"], level, rollouts, menu)])
+        (d,) = s.decide(64)
+        if d.intervenes:
+            ok = rng.random(d.intervention.size) < truth.get(d.intervention.name, 0.3)
+            s.ran(d.id, [Rollout(float(x), bool(x)) for x in ok], d.intervention.cost)
         s.end_step()
         times.append(time.perf_counter() - t)
     return {"measure": "session", "events": events, "us_per_step_of_one_group": statistics.median(times) * 1e6}
@@ -110,10 +110,10 @@ def training_overhead(steps: int, seed: int) -> dict:
         trainer.run()
         lines = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     steps_m = [m for m in lines if "time/generate_s" in m]
-    step_s = sum(m["time/generate_s"] + m["time/score_s"] + m["time/controller_s"] + m["time/update_s"]
-                 for m in steps_m)
-    ctl_s = max(m.get("controller/seconds", 0.0) for m in steps_m)
-    rounds_s = sum(m["time/controller_s"] for m in steps_m)
+    parts = ("time/generate_s", "time/rounds_s", "time/score_s", "time/controller_s", "time/update_s")
+    step_s = sum(m[k] for m in steps_m for k in parts)
+    ctl_s = sum(m["time/controller_s"] for m in steps_m)
+    rounds_s = sum(m["time/rounds_s"] for m in steps_m)
     return {"measure": "training", "steps": len(steps_m), "step_seconds": step_s / len(steps_m),
             "controller_seconds": ctl_s, "overhead_share": ctl_s / step_s,
             "intervention_rounds_share": rounds_s / step_s}

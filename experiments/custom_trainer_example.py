@@ -1,6 +1,6 @@
 # The learned controller inside a trainer that is not rail's: a toy GRPO-style loop over a simulated policy that
-# drives the controller's seam, controller.Session (scored groups with their priced options in, choices out, the
-# chosen interventions' rollouts in; escalation rounds, rewards, traces and state handled inside). No torch,
+# drives the controller's seam, controller.Session (scored groups with their menus of priced interventions in,
+# decisions out, the chosen interventions' rollouts in; escalation rounds, rewards, traces and state handled inside). No torch,
 # no rail.
 # Run: .venv/bin/python experiments/custom_trainer_example.py [--steps 60] [--out /tmp/ctl-example]
 """Prints the controller's mode, what it chose, and the policy's skill per level at the end."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 import controller.reward as R
-from controller import Option, Rollout, Group, Session, SessionSettings, Settings
+from controller import Group, Intervention, Rollout, Session, SessionSettings, Settings
 
 LEVELS = (1, 2, 3, 4)
 # what each intervention multiplies the policy's chance of success by, per level (hidden from the controller)
@@ -42,9 +42,9 @@ def scored(rewards: list[float]) -> list[Rollout]:
 
 def group(i: int, level: int, rewards: list[float]) -> Group:
     """A scored group and the interventions this trainer can run on it, priced in rollouts."""
-    options = [Option(f"{how}x{k}", f"{how}@start", k, cost=k, features={f"how={how}": 1.0, "how_many": float(k)})
-               for how in HELP for k in (2, 4)]
-    return Group(f"g{i}", "toy", level, scored(rewards), options)
+    menu = [Intervention(f"{how}x{k}", f"{how}@start", k, cost=k, features={f"how={how}": 1.0, "how_many": float(k)})
+            for how in HELP for k in (2, 4)]
+    return Group(f"g{i}", "toy", level, scored(rewards), menu)
 
 
 def main() -> None:
@@ -75,16 +75,16 @@ def main() -> None:
         ctl.add([group(i, lv, r) for i, (lv, r) in enumerate(zip(levels, rewards))])
         left = a.budget
         while True:  # rounds: a group an intervention left without a success is asked again
-            choices = [c for c in ctl.decide(left) if c.intervenes]
-            if not choices:
+            decisions = [d for d in ctl.decide(left) if d.intervenes]
+            if not decisions:
                 break
-            for c in choices:
-                i, how = int(c.group[1:]), c.option.key.split("@")[0]
-                extra = policy.rollouts(levels[i], c.option.size, rng, boost=HELP[how][levels[i]])
-                ctl.ran(c.id, scored(extra), c.option.cost)
+            for d in decisions:
+                i, iv = int(d.group[1:]), d.intervention
+                extra = policy.rollouts(levels[i], iv.size, rng, boost=HELP[iv.key.split("@")[0]][levels[i]])
+                ctl.ran(d.id, scored(extra), iv.cost)
                 rewards[i] += extra
-                left -= c.option.cost
-                chosen[(levels[i], c.option.name)] += 1
+                left -= iv.cost
+                chosen[(levels[i], iv.name)] += 1
         ctl.end_step()  # the controller's rewards, learning and traces
         for lv, r in zip(levels, rewards):
             policy.update(lv, r)

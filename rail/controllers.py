@@ -27,8 +27,10 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from controller.heuristic import asked, next_rung
+from controller.heuristic import actionable, asked, fits, rung_plan
 from policy.records import Status
+from rail import seam
+from rail.budget import StepBudget
 from rail.interventions import Intervention
 from rail.rounds import Decision, Group, Menu, Outcome
 
@@ -40,7 +42,9 @@ class Controller(Protocol):
     def plan_base(self, step_budget: int, group_size: int, unit: str, tokens_per_rollout: float = 1.0) -> int:
         """How many base groups to generate this step."""
 
-    def begin_step(self, step: int, rng: np.random.Generator) -> None: ...
+    def begin_step(self, step: int, total_steps: int, budget: StepBudget, rng: np.random.Generator) -> None:
+        """Step ``step`` of ``total_steps`` begins; ``budget`` is the step's (what :class:`rail.rounds.Rounds`
+        charges every generation to)."""
 
     def decide(self, groups: Sequence[Group], remaining: int, unit: str, menu: Menu) -> list[Decision]:
         """This round's interventions, within ``remaining``; an empty list ends the step's rounds."""
@@ -69,7 +73,7 @@ class NoController:
     def plan_base(self, step_budget, group_size, unit, tokens_per_rollout=1.0) -> int:
         return _groups_for(step_budget, group_size, unit, tokens_per_rollout)
 
-    def begin_step(self, step, rng) -> None:
+    def begin_step(self, step, total_steps, budget, rng) -> None:
         self.rng = rng
 
     def decide(self, groups, remaining, unit, menu) -> list[Decision]:
@@ -108,7 +112,7 @@ class _Reserving(NoController):
         share = self.cfg.controller.base_share if self.cfg is not None else 0.5
         return _groups_for(step_budget * share, group_size, unit, tokens_per_rollout)
 
-    def begin_step(self, step, rng) -> None:
+    def begin_step(self, step, total_steps, budget, rng) -> None:
         self.rng, self.round = rng, 0
 
     def decide(self, groups, remaining, unit, menu) -> list[Decision]:
@@ -132,11 +136,11 @@ class _Reserving(NoController):
         return max((c for c in (menu.cost(g, iv) for iv in menu.legal(g)) if c is not None), default=0.0)
 
     @staticmethod
-    def _take(decisions: list[tuple[Decision, int | None]], remaining: int) -> list[Decision]:
-        """Decisions in order while their costs fit ``remaining``."""
+    def _take(decisions: list[tuple[Decision, float | None]], remaining: float) -> list[Decision]:
+        """Decisions in order while their costs fit ``remaining`` (:func:`controller.heuristic.fits`)."""
         out = []
         for d, c in decisions:
-            if c is not None and c <= remaining:
+            if c is not None and fits(c, remaining):
                 out.append(d)
                 remaining -= c
         return out
@@ -157,7 +161,7 @@ class DapoController(_Reserving):
 class _RungRule(_Reserving):
     """A fixed controller that runs the rung rule of :mod:`controller.heuristic` (the rule the learned controller
     shadows) over ``rungs`` at ``size`` rollouts: each round, every group the rule asks takes its next rung among
-    those legal there and within its capacity, in group order while the budget lasts."""
+    those it can act on, in group order while the budget lasts (:func:`~controller.heuristic.rung_plan`)."""
 
     escalates = True
 
@@ -166,16 +170,10 @@ class _RungRule(_Reserving):
 
     def _decide(self, groups, remaining, unit, menu):
         keys, size = self.rungs()
-        out = []
-        for g in groups:
-            if not g.n_base or not asked(self.round, g.interventions, g.successes > 0):
-                continue
-            priced = actionable(g, menu, keys, size)
-            key = next_rung(keys, g.interventions, priced, g.successes > 0, self.escalates)
-            if key is not None:
-                out.append((Decision(g.index, priced[key][0]), priced[key][1]))
-        return self._take(out, remaining)
-
+        plan = rung_plan(((g.index, g.interventions, g.successes > 0, rungs_of(g, menu, keys, size)) for g in groups
+                          if g.n_base and asked(self.round, g.interventions, g.successes > 0)),
+                         keys, remaining, self.escalates)
+        return [Decision(gi, iv) for gi, (_, iv, _) in plan.items()]
 
     def reserve(self, decided, menu, rounds_left, refills=0) -> float:
         """Each group it just intervened on may climb its untried rungs, one a round."""
@@ -184,22 +182,18 @@ class _RungRule(_Reserving):
         keys, size = self.rungs()
         total = 0.0
         for g in decided:
-            costs = sorted((c for k, (_, c) in actionable(g, menu, keys, size).items() if k not in g.interventions),
+            costs = sorted((c for k, (_, c) in rungs_of(g, menu, keys, size).items() if k not in g.interventions),
                            reverse=True)
             total += sum(costs[:rounds_left])  # the rung this round's decision took is among them: an upper bound
         return total
 
 
-def actionable(g: Group, menu: Menu, keys: Sequence[str], size: int) -> dict[str, tuple[Intervention, float]]:
-    """The rungs (``how@where`` keys) that can act on ``g`` at ``size`` rollouts: legal there, within the group's
-    capacity; each with its intervention and cost."""
-    out = {}
-    for k in keys:
-        iv = Intervention.parse(k, size)
-        c = menu.cost(g, iv)
-        if c is not None and (g.capacity is None or c <= g.capacity - g.spent + 1e-9):
-            out[k] = (iv, c)
-    return out
+def rungs_of(g: Group, menu: Menu, keys: Sequence[str], size: int) -> dict[str, tuple[Intervention, float]]:
+    """The rungs (``how@where`` keys) the rule can act on in ``g`` at ``size`` rollouts, each with its intervention
+    and cost (:func:`controller.heuristic.actionable`: legal there, within the group's capacity)."""
+    ivs = [Intervention.parse(k, size) for k in keys]
+    room = None if g.capacity is None else g.capacity - g.spent
+    return actionable(((iv.key, menu.cost(g, iv), iv) for iv in ivs), room)
 
 
 class RtiController(_RungRule):
@@ -235,8 +229,8 @@ class ActGuideController(_Reserving):
                  for n in (self.cfg.controller.probe_rollouts, self.cfg.budget.group_size)]
         return max((c for c in costs if c is not None), default=0.0)
 
-    def begin_step(self, step, rng) -> None:
-        super().begin_step(step, rng)
+    def begin_step(self, step, total_steps, budget, rng) -> None:
+        super().begin_step(step, total_steps, budget, rng)
         self.search: dict[int, dict] = {}
 
     def _decide(self, groups, remaining, unit, menu):
@@ -290,10 +284,10 @@ class RandomController(_Reserving):
         out = []
         for gi in self.rng.permutation(len(groups)):
             g = groups[int(gi)]
-            options: list[Intervention | None] = [None, *menu.legal(g)]
-            pick = options[int(self.rng.integers(len(options)))]
+            candidates: list[Intervention | None] = [None, *menu.legal(g)]
+            pick = candidates[int(self.rng.integers(len(candidates)))]
             if pick is not None:
-                out.append((Decision(g.index, pick, propensity=1.0 / len(options)), menu.cost(g, pick)))
+                out.append((Decision(g.index, pick, propensity=1.0 / len(candidates)), menu.cost(g, pick)))
         return self._take(out, remaining)
 
 
@@ -309,9 +303,10 @@ CONTROLLERS: dict[str, type] = {
 
 class RailController(_Reserving):
     """The learned controller, shadowing the ``controller.shadow`` heuristic until off-policy evaluation promotes
-    it (docs/controller.md). A translation from rail's groups, menu and outcomes to the trainer-agnostic
-    :class:`controller.Session`, which holds every rule: the context, the menu as bandit actions, the shadowed
-    heuristic (ladder's next untried rung), escalation rounds, the reward, pass rates, traces and state."""
+    it (docs/controller.md). rail's groups, menu and outcomes go to the trainer-agnostic
+    :class:`controller.Session` through the one mapping of :mod:`rail.seam`; the session holds every rule: the
+    context, the menu as bandit actions, the shadowed heuristic, escalation rounds, the reward, pass rates,
+    traces and state."""
 
     name = "rail"
 
@@ -335,68 +330,46 @@ class RailController(_Reserving):
         trace_dir = None if out is None else Path(out) / "traces"
         self.session = Session(session, seed=config.run.seed, trace_dir=trace_dir)
         self.ctl = self.session.ctl
-        self.seconds = 0.0  # the controller's own time: the session's and this translation's
-        self._views: dict[str, Group] = {}
+        self._views: dict[str, Group] = {}  # the session's group id -> rail's group
         self._event: dict[int, str] = {}  # id(rail Decision) -> the session's event id
 
-    def begin_step(self, step, rng) -> None:
-        super().begin_step(step, rng)
-        self.session.begin_step(step, self.cfg.run.steps, self.cfg.step_budget())
+    def begin_step(self, step, total_steps, budget, rng) -> None:
+        super().begin_step(step, total_steps, budget, rng)
+        self.session.begin_step(step, total_steps, budget.limit)
         self._views, self._event = {}, {}
 
     def _add(self, groups: Sequence[Group], menu: Menu | None) -> None:
-        """Groups the session has not seen, as scored records with their legal, priced options."""
-        import controller as seam
-
+        """Groups the session has not seen, as its records (:func:`rail.seam.group`)."""
         new = []
         for g in groups:
-            gid = f"g{g.index}"
-            if gid in self._views:
-                continue
-            self._views[gid] = g
-            options = []
-            if menu is not None and g.n_base:
-                for iv in menu.legal(g):
-                    c = menu.cost(g, iv)
-                    options.append(seam.Option(iv.name, iv.key, iv.how_many, c, iv.features(), ref=iv))
-            new.append(seam.Group(gid, g.family, g.task.level, [_record(t, menu is not None) for t in g.base],
-                                   options, capacity=g.capacity))
+            rec = seam.group(g, menu)
+            if rec.id not in self._views:
+                self._views[rec.id] = g
+                new.append(rec)
         self.session.add(new)
 
     def _decide(self, groups, remaining, unit, menu):
-        import time
-
-        t0 = time.perf_counter()
         if self.round == 0:
             self._add(groups, menu)
-        choices = self.session.decide(remaining)
         out = []
-        for ch in choices:
-            if ch.intervenes:
-                d = Decision(self._views[ch.group].index, ch.option.ref, propensity=ch.propensity,
-                             info={"event": ch.id, "mode": ch.mode})
-                self._event[id(d)] = ch.id
-                out.append(d)
-        self.seconds += time.perf_counter() - t0
+        for d in self.session.decide(remaining):
+            if d.intervenes:
+                mine = Decision(self._views[d.group].index, d.intervention.ref, propensity=d.propensity,
+                                info={"event": d.id, "mode": d.mode})
+                self._event[id(mine)] = d.id
+                out.append(mine)
         return out
 
     def observe(self, outcomes) -> None:
         """A round's interventions that ran: their scored rollouts reach the session (escalation reads them)."""
-        import time
-
-        t0 = time.perf_counter()
         for o in outcomes:
             eid = self._event.get(id(o.decision))
             if eid is not None and o.ran:
-                self.session.ran(eid, [_record(t, False) for t in o.trajectories], o.cost)
-        self.seconds += time.perf_counter() - t0
+                self.session.ran(eid, [seam.rollout(t) for t in o.trajectories], o.cost)
 
     def feedback(self, groups, outcomes, compose: str) -> None:
         """Rewards for this step's decisions, once the learner has said which rollouts it accepted (``compose``
         is the session's, resolved from the same config)."""
-        import time
-
-        t0 = time.perf_counter()
         self._add(groups, None)  # fresh groups bought with what the rounds left: the opportunity, pass rates
         accepted = {}
         for o in outcomes:
@@ -405,34 +378,19 @@ class RailController(_Reserving):
                 accepted[eid] = [Status(t.status).joined for t in o.trajectories]
         self.session.end_step(accepted)
         self._views, self._event = {}, {}
-        self.seconds += time.perf_counter() - t0
 
     def metrics(self) -> dict[str, float]:
-        return {**self.session.metrics(), "controller/seconds": self.seconds}
+        return self.session.metrics()
 
     def summary(self) -> dict:
-        return {**self.session.summary(), "seconds": round(self.seconds, 3)}
+        return self.session.summary()
 
     def state_dict(self) -> dict:
-        return {**self.session.state_dict(), "seconds": self.seconds}
+        return self.session.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         if state:
             self.session.load_state_dict(state)
-            self.seconds = float(state.get("seconds", 0.0))
-
-
-def _record(t, logprobs: bool):
-    """A rollout as the controller's seam records it (rail's success: reward 1). Only the context of a group
-    decided for reads behaviour log-probs."""
-    from controller import Rollout
-
-    rb = t.rubric
-    calls, failed = t.tool_calls()
-    lps = [lp for lp, o in zip(t.logprobs, t.origin) if o == 0] if logprobs else ()
-    return Rollout(t.reward, t.reward >= 1.0, None if rb is None else rb.progress,
-                   None if rb is None else rb.first_violated, None if rb is None else rb.violated_turn,
-                   calls, failed, lps, t.n_generated)
 
 
 CONTROLLERS["rail"] = RailController

@@ -28,8 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from controller import Rollout, branch_source
+from controller import branch_source
 from policy.records import Guidance, Origin, RolloutRequest, Trajectory
+from rail import seam
 
 HOWS = ("resample", "rubric_hint", "action_guide", "guided_step")
 WHERES = ("start", "violation", "before", "entropy")
@@ -134,9 +135,7 @@ class Plan:
 def source_index(trajs: Sequence[Trajectory]) -> int | None:
     """The failed trajectory to branch from: most rubric progress, then latest violation, then lowest index
     (``controller.branch_source``, the rule whose first violated item the controller's context reports)."""
-    return branch_source([Rollout(t.reward, t.reward >= 1.0) if t.rubric is None else
-                          Rollout(t.reward, t.reward >= 1.0, t.rubric.progress, t.rubric.first_violated,
-                                  t.rubric.violated_turn) for t in trajs])
+    return branch_source([seam.rollout(t) for t in trajs])
 
 
 def uncertain_turn(traj: Trajectory) -> int | None:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+#: the summary's time line, in words (rail.train.TIMINGS)
+TIME_LABELS = {"generate": "base generation", "rounds": "rounds' generation", "score": "scoring",
+               "controller": "controller", "update": "update", "eval": "evaluation"}
+
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -51,7 +55,7 @@ def format_summary(s: dict, out: Path) -> str:
         *_learned(s.get("choices"), e, s["steps"], learns=s["controller"] == "rail"),
         "boundary (levels unsolved at the start): "
         + ", ".join(f"{f}: {v['unsolved_at_start']}" for f, v in s["boundary"].items()),
-        "time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in s["time"].items()),
+        "time (s): " + ", ".join(f"{TIME_LABELS.get(k, k)} {v:.1f}" for k, v in s["time"].items()),
         f"outputs: {out}/summary.json, metrics.jsonl, checkpoints/",
     ]
     return "\n".join(lines)

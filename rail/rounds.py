@@ -26,12 +26,13 @@ rollout stream, where what is started joins the running batch (rail's own loop);
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Generator, Sequence
 
 import numpy as np
 
-from policy.records import RolloutRequest, Status, zero_variance
+from policy.records import RolloutRequest, Status, succeeded, zero_variance
 from rail.budget import cost_of
 from rail.envs import rubric_status, safe_reward
 from rail.interventions import Intervention
@@ -95,7 +96,7 @@ class Group:
 
     @property
     def successes(self) -> int:
-        return sum(1 for r in self.rewards if r >= 1.0)
+        return sum(1 for r in self.rewards if succeeded(r))
 
 
 def make_group(index: int, family: str, task: Any, trajs: Sequence, capacity: float | None = None) -> Group:
@@ -131,7 +132,7 @@ class Outcome:
 
     @property
     def successes(self) -> int:
-        return sum(1 for t in self.trajectories if t.reward >= 1.0)
+        return sum(1 for t in self.trajectories if succeeded(t.reward))
 
 
 class Menu:
@@ -232,6 +233,7 @@ class Rounds:
         self.per_rollout = max(1.0, tokens_per_rollout) if budget.unit == "tokens" else 1.0
         self.outcomes: list[Outcome] = []  # of every decision that ran
         self.trajectories: list = []  # every rollout the rounds and the fill generated
+        self.controller_seconds = 0.0  # the controller's own time in the rounds (decide, reserve, observe)
         self._fills: list[tuple[Generation, int, float]] = []  # started fills: (generation, first task, cost)
 
     def protocol(self) -> Generator[Start | Wait, Any, list[Outcome]]:
@@ -239,7 +241,7 @@ class Rounds:
         outcomes of the decisions that ran."""
         unit = self.budget.unit
         for rnd in range(self.max_rounds):
-            decisions = self.controller.decide(self.groups, self._left(), unit, self.menu)
+            decisions = self._timed(self.controller.decide, self.groups, self._left(), unit, self.menu)
             if not decisions:
                 break
             outcomes = [Outcome(d, ran=False) for d in decisions]
@@ -254,9 +256,9 @@ class Rounds:
                     yield Start(gen)
             if requests:  # what the controller can no longer spend buys fresh groups now, beside the round
                 decided = [self.groups[o.decision.group] for o in outcomes if o.ran and not o.decision.refill]
-                spare = self._left() - sum(o.cost for o in outcomes if o.ran) - self.controller.reserve(
-                    decided, self.menu, self.max_rounds - rnd - 1, refills=sum(o.ran and o.decision.refill
-                                                                                for o in outcomes))
+                spare = self._left() - sum(o.cost for o in outcomes if o.ran) - self._timed(
+                    self.controller.reserve, decided, self.menu, self.max_rounds - rnd - 1,
+                    refills=sum(o.ran and o.decision.refill for o in outcomes))
                 yield from self._start_fill(spare, final=False, last=rnd == self.max_rounds - 1)
             for gen, mine in gens:
                 trajs = yield Wait(gen)
@@ -264,7 +266,7 @@ class Rounds:
                 for i, tr in zip(mine, trajs):
                     owners[i].trajectories.append(tr)
             self._join(outcomes)
-            self.controller.observe(outcomes)
+            self._timed(self.controller.observe, outcomes)
             if not requests:
                 break
         yield from self._start_fill(self._left(), final=True)
@@ -274,6 +276,13 @@ class Rounds:
             self._add_fill(trajs, first)
         self._fills = []
         return self.outcomes
+
+    def _timed(self, call: Callable, *args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return call(*args, **kw)
+        finally:
+            self.controller_seconds += time.perf_counter() - t0
 
     def _left(self) -> float:
         """The budget left, less what started fills will cost."""

@@ -51,6 +51,11 @@ from rail.tracking import JsonlTracker, MlflowTracker, MultiTracker, NullTracker
 
 log = logging.getLogger("rail")
 
+#: the summary's ``time`` (seconds over the run): generating the base rollouts; the rounds' interventions and the
+#: fill's fresh groups (generation only); scoring every rollout; the controller's own work (its decisions,
+#: bookkeeping and learning); the learner's update; the held-out evaluations
+TIMINGS = ("generate", "rounds", "score", "controller", "update", "eval")
+
 
 def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
     """The GRPO learner's settings: every ``[learner]`` field by name, and the rollout temperature and length
@@ -175,8 +180,7 @@ class Trainer:
         self.params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p,
                                      cfg.rollout.max_tokens_per_turn, cfg.rollout.max_turns)
         self.tracker = self._trackers(resume)
-        self.timings: dict[str, float] = {"generate": 0.0, "score": 0.0, "controller": 0.0, "update": 0.0,
-                                          "eval": 0.0}
+        self.timings = dict.fromkeys(TIMINGS, 0.0)
         self._step_errors = {"reward": 0, "tool": 0}  # this step's verifier and tool failures
         self._warned_reward: set[str] = set()
 
@@ -310,21 +314,30 @@ class Trainer:
             budget.charge("base", cost_of(trajs, cfg.budget.unit))
             t_gen = time.perf_counter() - t
 
-            t = time.perf_counter()
-            self._score(trajs, tasks)
-            t_score = time.perf_counter() - t
+            t_score = 0.0
 
+            def scored(ended, tasks=tasks) -> None:
+                nonlocal t_score
+                t = time.perf_counter()
+                self._score(ended, tasks)
+                t_score += time.perf_counter() - t
+
+            scored(trajs)
             t = time.perf_counter()
             groups = [make_group(i, fam, task, trajs) for i, (fam, task) in enumerate(tasks)]
-            self.controller.begin_step(step, np.random.default_rng([cfg.run.seed, step, 4]))
+            self.controller.begin_step(step, cfg.run.steps, budget, np.random.default_rng([cfg.run.seed, step, 4]))
+            t_ctl = time.perf_counter() - t
             rounds = Rounds(self.controller, groups, tasks, make_menu(cfg, self.envs, self.runners, per_rollout),
                             budget, max_rounds=cfg.controller.max_rounds, group_size=g, base_requests=requests,
                             new_tasks=lambda n, stream: self._sample_tasks(step, n, stream),
                             tokens_per_rollout=per_rollout)
-            outcomes = drive_stream(rounds.protocol(), stream, lambda ended: self._score(ended, tasks))
+            score_before = t_score
+            outcomes = drive_stream(rounds.protocol(), stream, scored)
         all_trajs = trajs + rounds.trajectories
         t_rollouts = time.perf_counter() - t0  # every rollout of the step: base, rounds and fill, scored
-        t_ctl = time.perf_counter() - t  # includes the interventions' generation; time/controller_s is the total
+        # the rounds' and the fill's generation: what they took less the controller's own time and the scoring
+        t_ctl += rounds.controller_seconds
+        t_rounds = time.perf_counter() - t - t_ctl - (t_score - score_before)
 
         t = time.perf_counter()
         compose = compose_of(cfg)
@@ -380,15 +393,16 @@ class Trainer:
             "rollout/malformed_calls": float(sum(1 for tr in base for st in tr.steps if _malformed(st))),
             "errors/reward": float(self._step_errors["reward"]),
             "errors/tool": float(self._step_errors["tool"]),
-            "time/generate_s": t_gen, "time/score_s": t_score, "time/controller_s": t_ctl, "time/update_s": t_upd,
-            "time/rollouts_s": t_rollouts,
+            "time/generate_s": t_gen, "time/rounds_s": t_rounds, "time/score_s": t_score, "time/controller_s": t_ctl,
+            "time/update_s": t_upd, "time/rollouts_s": t_rollouts,
         }
         m.update(self._intervention_metrics(groups, outcomes, budget))
         m.update(self.controller.metrics())
         m.update({f"loss/{k}": v for k, v in upd.items()})
         m.update({f"tis/{k[4:]}": v for k, v in batch.stats.items() if k.startswith("tis_")})
         m.update(self.ledger.close_step(budget))
-        for k, v in (("generate", t_gen), ("score", t_score), ("controller", t_ctl), ("update", t_upd)):
+        for k, v in (("generate", t_gen), ("rounds", t_rounds), ("score", t_score), ("controller", t_ctl),
+                     ("update", t_upd)):
             self.timings[k] += v
         return m
 

@@ -11,13 +11,18 @@ import random
 import pytest
 import vowpal_wabbit_next as vw
 
-from controller import NONE, Arm, Query, LearnedController, Settings
+from controller import Context, Intervention, LearnedController, Settings
 from controller import estimators as E
 from controller import reward as R
 from controller import traces as T
 from controller.vw import Bandit
 
 BEST = {"a": "x", "b": "y", "c": "z"}
+
+
+def act(name: str, features: dict, cost: float) -> Intervention:
+    """A bandit action: an intervention named ``name`` with these action features and cost."""
+    return Intervention(name, name, 1, cost, features)
 
 
 def synthetic(heuristic, n_steps=375, mode="shadow", seed=0, trace_dir=None):
@@ -30,14 +35,14 @@ def synthetic(heuristic, n_steps=375, mode="shadow", seed=0, trace_dir=None):
         batch = []
         for j in range(4):
             kind = rng.choice("abc")
-            acts = [Arm(name, {"op": name}, 1.0) for name in "xyz"]
-            batch.append((kind, Query(f"t{t}g{j}", {"kind": kind}, acts, heuristic=heuristic(kind))))
+            acts = [act(name, {"op": name}, 1.0) for name in "xyz"]
+            batch.append((kind, Context(f"t{t}g{j}", {"kind": kind}, acts, heuristic=heuristic(kind))))
         for (kind, g), d in zip(batch, ctl.decide([g for _, g in batch], budget=10)):
-            assert d.group == g.id
-            if d.action.name == NONE:
+            assert d.group == g.group
+            if not d.intervenes:
                 r = 0.2
             else:
-                r = float(rng.random() < (0.8 if BEST[kind] == d.action.name else 0.1))
+                r = float(rng.random() < (0.8 if BEST[kind] == d.intervention.name else 0.1))
             ctl.feedback(d.id, r)
             rewards.append(r)
     return ctl, rewards
@@ -50,8 +55,8 @@ def test_learns_the_context_dependent_best_intervention():
     regret, uniform_regret = best - sum(late) / len(late), best - uniform
     assert regret < 0.35 * uniform_regret, (regret, uniform_regret)
     for kind, want in BEST.items():
-        acts = [Arm(n, {"op": n}, 1.0) for n in "xyz"]
-        (d,) = LearnedController(ctl.s, seed=1).decide([Query("q", {"kind": kind}, acts)], 10)  # fresh: not learned
+        acts = [act(n, {"op": n}, 1.0) for n in "xyz"]
+        (d,) = LearnedController(ctl.s, seed=1).decide([Context("q", {"kind": kind}, acts)], 10)  # fresh: not learned
         ctx = Bandit.context_json({"kind": kind}, [{"none": 1.0, "cost": 0.0}, *({"op": n, "cost": 1.0} for n in "xyz")])
         pmf = ctl.bandit.predict(ctx)
         assert pmf.index(max(pmf)) == 1 + "xyz".index(want)
@@ -67,13 +72,13 @@ def test_poor_heuristic_is_replaced_and_optimal_one_is_kept():
 
 def test_decisions_respect_the_budget_and_log_nonzero_propensities():
     ctl = LearnedController(Settings(), seed=3)
-    groups = [Query(f"g{i}", {"kind": "a"}, [Arm("big", {"op": "big"}, 6.0), Arm("small", {"op": "s"}, 2.0)],
+    groups = [Context(f"g{i}", {"kind": "a"}, [act("big", {"op": "big"}, 6.0), act("small", {"op": "s"}, 2.0)],
                     heuristic="big") for i in range(5)]
     ds = ctl.decide(groups, budget=7)
-    assert sum(d.action.cost for d in ds) <= 7
+    assert sum(d.intervention.cost for d in ds if d.intervenes) <= 7
     assert all(0 < d.propensity <= 1 for d in ds)
     with pytest.raises(ValueError, match="heuristic"):
-        ctl.decide([Query("x", {}, [Arm("a", {}, 1.0)], heuristic="b")], 5)
+        ctl.decide([Context("x", {}, [act("a", {}, 1.0)], heuristic="b")], 5)
 
 
 def test_decisions_are_deterministic_given_seed_and_inputs():
@@ -146,7 +151,7 @@ def test_headroom_weights_signal_by_what_is_left_to_learn():
 
 def test_feedback_rejects_nan_and_unknown_decisions():
     ctl = LearnedController(Settings(), seed=0)
-    (d,) = ctl.decide([Query("g", {"k": "a"}, [Arm("x", {"op": "x"}, 1.0)])], 4)
+    (d,) = ctl.decide([Context("g", {"k": "a"}, [act("x", {"op": "x"}, 1.0)])], 4)
     with pytest.raises(ValueError, match="finite"):
         ctl.feedback(d.id, float("nan"))
     with pytest.raises(KeyError):
@@ -182,10 +187,11 @@ def test_online_shortcuts_predict_what_separate_parses_predict(tmp_path):
     ctl = LearnedController(Settings(mode="live", epsilon=0.2), seed=1, trace_dir=tmp_path)
     for t in range(300):
         kind = rng.choice("abc")
-        acts = [Arm(f"{n}{k}", {"op": n, "size": float(k)}, float(k)) for n in "xyz" for k in (1, 3)]
-        (d,) = ctl.decide([Query(f"g{t}", {"kind": kind, "t": t / 300}, [a for a in acts if rng.random() < 0.8])],
+        acts = [act(f"{n}{k}", {"op": n, "size": float(k)}, float(k)) for n in "xyz" for k in (1, 3)]
+        (d,) = ctl.decide([Context(f"g{t}", {"kind": kind, "t": t / 300}, [a for a in acts if rng.random() < 0.8])],
                           budget=rng.choice([2, 10]))
-        ctl.feedback(d.id, float(rng.random() < (0.8 if d.action.name[0] == BEST[kind] else 0.2)))
+        best = d.intervenes and d.intervention.name[0] == BEST[kind]
+        ctl.feedback(d.id, float(rng.random() < (0.8 if best else 0.2)))
     b = Bandit(epsilon=0.2)
     lines = (tmp_path / "decisions.dsjson").read_text().splitlines()
     for line in lines:
@@ -206,8 +212,9 @@ def test_state_round_trip_and_resume_truncates_the_trace(tmp_path):
     back = LearnedController.load(tmp_path / "ctl.json", trace_dir=tmp_path)
     assert back.bandit.weights_equal(ctl.bandit) and back.mode == ctl.mode and back.learned == n
     assert len((tmp_path / "decisions.dsjson").read_text().splitlines()) == n
-    g = [Query("z", {"kind": "b"}, [Arm(m, {"op": m}, 1.0) for m in "xyz"], heuristic="x")]
-    assert [d.action.name for d in back.decide(g, 5)] == [d.action.name for d in ctl.decide(g, 5)]
+    g = [Context("z", {"kind": "b"}, [act(m, {"op": m}, 1.0) for m in "xyz"], heuristic="x")]
+    name = lambda d: d.intervention.name if d.intervenes else None  # noqa: E731
+    assert [name(d) for d in back.decide(g, 5)] == [name(d) for d in ctl.decide(g, 5)]
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="bad.json"):
         LearnedController.load(tmp_path / "bad.json")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from controller import Rollout
-from controller.heuristic import asked, next_rung
+from controller.heuristic import actionable, asked, next_rung, rung_plan
 from policy.records import Status
 from policy.tokenizer import ChatRenderer, build_word_tokenizer
 from rail.budget import StepBudget
@@ -79,55 +79,67 @@ TEMPERED = {"temperatures": [0.7, 1.3], "menu": ["resample@entropy:1.3", "resamp
             "ladder": ["resample@entropy:1.3", "resample@violation", "rubric_hint@violation:1.3"]}
 
 
+@pytest.mark.parametrize("budget, explore", [(10_000, 1e-9), (5, 1e-9), (3, 1e-9), (10_000, 0.5), (4, 0.5)],
+                         ids=["ample", "short", "shorter", "ample-exploring", "short-exploring"])
 @pytest.mark.parametrize("shadow, extra", [("ladder", {}), ("rti", {}), ("ladder", TEMPERED)],
                          ids=["ladder", "rti", "ladder-entropy-temperature"])
-def test_the_shadowed_heuristic_is_the_fixed_arm(world, shadow, extra):
-    """Given the same groups and menu, round after round, the heuristic the learned controller shadows chooses
-    exactly what the ``ladder`` (``rti``) arm chooses: the same groups, operator, branch point, temperature and size.
-    Every intervention fails, except that group 0 succeeds in round 1, so later rounds ask fewer groups."""
+def test_the_shadowed_heuristic_is_the_fixed_arm(world, shadow, extra, budget, explore):
+    """Given the same groups, menu and budget, round after round, the heuristic the learned controller shadows
+    decides exactly what the ``ladder`` (``rti``) arm decides: the same groups, operator, branch point, temperature
+    and size, also when the budget cannot serve every group (both serve the groups in order while their rungs fit)
+    and whatever the shadow's exploration ran instead (both sides then see the same interventions). Every
+    intervention fails, except that group 0 succeeds in round 1, so later rounds ask fewer groups."""
     env, renderer, _ = world
     envs, runners = {"lookup": env}, {"lookup": ToolRunner(env)}
     arm_cfg = _cfg(shadow, **extra)
-    # heuristic_epsilon tiny: in shadow the heuristic itself acts, so both sides run the same interventions
-    rail_cfg = _cfg("rail", shadow=shadow, heuristic_epsilon=1e-9, **extra)
+    rail_cfg = _cfg("rail", shadow=shadow, heuristic_epsilon=explore, **extra)
     arm, rail = CONTROLLERS[shadow](config=arm_cfg), CONTROLLERS["rail"](config=rail_cfg, out=None)
     arm_groups, rail_groups = _groups(world), _groups(world)
     menu_a, menu_r = make_menu(arm_cfg, envs, runners), make_menu(rail_cfg, envs, runners)
     rng = np.random.default_rng(0)
-    arm.begin_step(1, rng)
-    rail.begin_step(1, rng)
+    step_budget = StepBudget("rollouts", rail_cfg.step_budget())
+    arm.begin_step(1, 10, step_budget, rng)
+    rail.begin_step(1, 10, step_budget, rng)
     rail._add(rail_groups, menu_r)
-    seen_rounds = 0
+    seen_rounds, short = 0, False
     for rnd in range(5):
         decided = {d.group: (d.intervention.key, d.intervention.how_many)
-                   for d in arm.decide(arm_groups, 10_000, "rollouts", menu_a)}
-        choices = rail.session.decide(10_000)
-        shadowed = {rail._views[c.group].index: (c.heuristic.key, c.heuristic.size)
-                    for c in choices if c.heuristic is not None}
+                   for d in arm.decide(arm_groups, budget, "rollouts", menu_a)}
+        decisions = rail.session.decide(budget)
+        shadowed = {rail._views[d.group].index: (d.heuristic.key, d.heuristic.size)
+                    for d in decisions if d.heuristic is not None}
         assert shadowed == decided, f"round {rnd}"
-        assert all(c.option is c.heuristic for c in choices)  # the heuristic acted
-        if not decided:
+        assert sum(d.intervention.cost for d in decisions if d.intervenes) <= budget
+        if explore < 1e-6:
+            assert all(d.intervention is d.heuristic for d in decisions)  # the heuristic acted
+        served = {rail._views[d.group].index for d in decisions}
+        short |= len(decided) < sum(1 for i in served if not arm_groups[i].successes)
+        if not any(d.intervenes for d in decisions):
             break
         seen_rounds += 1
-        for c in choices:
-            if c.option is None:
+        for d in decisions:
+            if d.intervention is None:
                 continue
-            gi = rail._views[c.group].index
+            gi = rail._views[d.group].index
             win = rnd == 1 and gi == 0
             for gs in (arm_groups[gi], rail_groups[gi]):
                 tr = copy.copy(gs.base[-1])
                 tr.reward = 1.0 if win else 0.0
-                gs.trajectories += [tr] * c.option.size
-                gs.interventions.append(c.option.key)
-                gs.spent += c.option.cost
-            rail.session.ran(c.id, [Rollout(tr.reward, win)] * c.option.size, c.option.cost)
+                gs.trajectories += [tr] * d.intervention.size
+                gs.interventions.append(d.intervention.key)
+                gs.spent += d.intervention.cost
+            rail.session.ran(d.id, [Rollout(tr.reward, win)] * d.intervention.size, d.intervention.cost)
+    rail.session.end_step()
+    if budget < 10:
+        assert short, "the budget served every group: the test would not see the budget's order"
+    if budget < 10 or explore > 1e-6:
+        return
     assert seen_rounds == (1 if shadow == "rti" else len(arm_cfg.controller.ladder))  # rti: one hint; ladder: each rung
     if extra:  # the rungs ran at their own temperatures, through the menu the learned controller chooses from
         assert arm_groups[0].interventions[:2] == ["resample@entropy:1.3", "resample@violation"]
         assert {iv.key for iv in menu_r.legal(rail_groups[0]) if iv.how_many == 2} >= set(extra["ladder"])
     assert len(arm_groups[3].interventions) == (0 if shadow == "rti" else 1)  # its capacity (2) held one rung of 2
     assert not arm_groups[2].interventions  # it had a success
-    rail.session.end_step()
 
 
 def test_the_rung_rule_by_hand():
@@ -138,6 +150,13 @@ def test_the_rung_rule_by_hand():
     assert next_rung(ladder, ["a@x"], {"b@x"}, solved=False, escalates=False) is None  # rti: one hint per group
     assert asked(0, [], solved=True) and asked(1, ["a@x"], solved=False)
     assert not asked(1, ["a@x"], solved=True) and not asked(2, ["a@x"], solved=False)
+    # actionable: legal (a cost) and within the room; rung_plan: in order while the rungs fit the budget
+    acts = actionable([("a@x", 2.0, "A"), ("b@x", None, "B"), ("c@y", 4.0, "C")], room=3.0)
+    assert acts == {"a@x": ("A", 2.0)}
+    groups = [("g0", [], False, {"a@x": ("A", 2.0)}), ("g1", [], False, {"c@y": ("C", 4.0)}),
+              ("g2", [], False, {"a@x": ("A", 2.0)}), ("g3", [], True, {"a@x": ("A", 2.0)})]
+    assert rung_plan(groups, ladder, budget=5.0) == {"g0": ("a@x", "A", 2.0), "g2": ("a@x", "A", 2.0)}  # g1: 4 > 3
+    assert rung_plan(groups, ladder, budget=100.0).keys() == {"g0", "g1", "g2"}  # g3 is solved
 
 
 def test_rescues_are_counted_once_by_one_definition(world):
@@ -179,8 +198,8 @@ def test_rounds_never_exceed_the_budget_or_a_groups_capacity(world):
         g.capacity = 4
     tasks = [("lookup", g.task) for g in groups]
     ctl = CONTROLLERS["ladder"](config=cfg)
-    ctl.begin_step(1, np.random.default_rng(0))
     budget = StepBudget("rollouts", sum(g.capacity for g in groups))
+    ctl.begin_step(1, 10, budget, np.random.default_rng(0))
     calls = []
 
     def requests(idx, k):
@@ -213,8 +232,8 @@ def _step_with_fresh_groups(world, controller: str, total: int, max_rounds: int)
     groups = _groups(world)
     tasks = [("lookup", g.task) for g in groups]
     ctl = CONTROLLERS[controller](config=cfg)
-    ctl.begin_step(1, np.random.default_rng(0))
     budget = StepBudget("rollouts", total)
+    ctl.begin_step(1, 10, budget, np.random.default_rng(0))
     calls = []
 
     def generate(gen):

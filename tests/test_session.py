@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from processes import run
-from controller import Option, Rollout, Group, Session, SessionSettings, Settings, branch_source
+from controller import Group, Intervention, Rollout, Session, SessionSettings, Settings, branch_source
 from controller import reward as R
 from controller import traces as T
 
@@ -27,8 +27,8 @@ def win() -> Rollout:
     return Rollout(1.0, True, 1.0, None, None, tool_calls=2, logprobs=(-0.25,), tokens=8)
 
 
-def options(sizes=(2, 4), keys=KEYS) -> list[Option]:
-    return [Option(f"{k}x{n}", k, n, float(n), {f"how={k.split('@')[0]}": 1.0, "how_many": float(n)})
+def menu(sizes=(2, 4), keys=KEYS) -> list[Intervention]:
+    return [Intervention(f"{k}x{n}", k, n, float(n), {f"how={k.split('@')[0]}": 1.0, "how_many": float(n)})
             for k in keys for n in sizes]
 
 
@@ -54,11 +54,11 @@ def test_a_group_becomes_a_context_and_bandit_actions(tmp_path):
     s.begin_step(5, 20, 64)
     base = [fail(0.25, item=1, turn=1), fail(0.75, item=2, turn=3, lps=(-1.0,)), win()]
     assert branch_source(base) == 1  # the failed rollout with the most progress
-    s.add([Group("g0", "calc", 3, base, options())])
+    s.add([Group("g0", "calc", 3, base, menu())])
     (c,) = s.decide(32)
     ran = [Rollout(1.0, True), Rollout(0.0, False)]
     if c.intervenes:
-        s.ran(c.id, ran, c.option.cost)
+        s.ran(c.id, ran, c.intervention.cost)
     s.end_step()
     (e,) = events(tmp_path)
     ctx = e["c"]["s"]
@@ -72,8 +72,8 @@ def test_a_group_becomes_a_context_and_bandit_actions(tmp_path):
     assert ctx["pass_rate"] == pytest.approx(1 / 3)  # a family/level seen for the first time: its own base
     assert ctx["train_progress"] == 5 / 20 and ctx["budget_left"] == 0.5
     assert (ctx["round"], ctx["tried"], ctx["last_tried"]) == (0.0, 0.0, "none")
-    # doing nothing plus every option, each with its cost and share of the step budget as features
-    assert e["_actions"] == ["none"] + [o.name for o in options()]
+    # doing nothing plus every intervention, each with its cost and share of the step budget as features
+    assert e["_actions"] == ["none"] + [o.name for o in menu()]
     acts = [m["a"] for m in e["c"]["_multi"]]
     assert acts[0] == {"none": 1.0, "cost": 0.0}
     assert acts[2] == {"how=resample": 1.0, "how_many": 4.0, "cost_share": 4 / 64, "cost": 4.0}
@@ -84,22 +84,22 @@ def test_a_group_becomes_a_context_and_bandit_actions(tmp_path):
 def test_decide_and_feedback_reward_the_signal_added_per_unit_of_cost(tmp_path):
     s = session(tmp_path)  # every cell is new and all-failed: headroom 1
     s.begin_step(0, 10, 64)
-    s.add([Group(f"g{i}", "lookup", 4, [fail()] * 4, options()) for i in range(6)])
-    choices = s.decide(64)
-    assert [c.group for c in choices] == [f"g{i}" for i in range(6)]
-    assert sum(c.option.cost for c in choices if c.intervenes) <= 64
-    assert all(0 < c.propensity <= 1 and c.mode == "shadow" and c.round == 0 for c in choices)
-    for c in choices:
+    s.add([Group(f"g{i}", "lookup", 4, [fail()] * 4, menu()) for i in range(6)])
+    decisions = s.decide(64)
+    assert [c.group for c in decisions] == [f"g{i}" for i in range(6)]
+    assert sum(c.intervention.cost for c in decisions if c.intervenes) <= 64
+    assert all(0 < c.propensity <= 1 and c.mode == "shadow" and c.round == 0 for c in decisions)
+    for c in decisions:
         if c.intervenes:  # one success in every intervention
-            s.ran(c.id, [Rollout(1.0, True)] + [Rollout(0.0, False)] * (c.option.size - 1), c.option.cost)
+            s.ran(c.id, [Rollout(1.0, True)] + [Rollout(0.0, False)] * (c.intervention.size - 1), c.intervention.cost)
     s.end_step()
     evs = {e["EventId"]: e for e in events(tmp_path)}
     assert len(evs) == 6
-    for c in choices:
+    for c in decisions:
         e = evs[c.id]
         assert e["_label_probability"] == pytest.approx(c.propensity)
         if c.intervenes:
-            n = c.option.size
+            n = c.intervention.size
             want = R.reward([0.0] * 4, [1.0] + [0.0] * (n - 1), cost=n, unit=2.0)
             assert -e["_label_cost"] == pytest.approx(want)
             assert e["_outcome"] == {"cost": float(n), "rollouts": n, "accepted": n, "successes": 1,
@@ -112,22 +112,22 @@ def test_escalation_asks_again_for_groups_an_intervention_left_without_success(t
     # live with a bandit that always explores uniformly would be random; shadow with a pure heuristic climbs
     s = session(tmp_path, bandit=Settings(heuristic_epsilon=1e-9))
     s.begin_step(0, 10, 100)
-    s.add([Group("stuck", "kin", 3, [fail()] * 4, options()),
-           Group("rescued", "kin", 3, [fail()] * 4, options()),
-           Group("solved", "kin", 1, [win(), fail()], options())])
+    s.add([Group("stuck", "kin", 3, [fail()] * 4, menu()),
+           Group("rescued", "kin", 3, [fail()] * 4, menu()),
+           Group("solved", "kin", 1, [win(), fail()], menu())])
     climbed = {"stuck": [], "rescued": []}
     for rnd in range(5):
-        choices = s.decide(100)
-        if not any(c.intervenes for c in choices):
+        decisions = s.decide(100)
+        if not any(c.intervenes for c in decisions):
             break
-        assert all(c.round == rnd for c in choices)
-        for c in choices:
+        assert all(c.round == rnd for c in decisions)
+        for c in decisions:
             if c.intervenes:
-                climbed[c.group].append(c.option.key)
+                climbed[c.group].append(c.intervention.key)
                 rescue = c.group == "rescued" and rnd == 1  # its second rung rescues it
                 out = [Rollout(1.0, True), Rollout(0.0, False)] if rescue else [Rollout(0.0, False)] * 2
-                s.ran(c.id, out, c.option.cost)
-        asked = {c.group for c in choices}
+                s.ran(c.id, out, c.intervention.cost)
+        asked = {c.group for c in decisions}
         if rnd == 0:
             assert asked == {"stuck", "rescued", "solved"}
         else:  # only the groups still without a success, once per round
@@ -155,9 +155,9 @@ def test_an_rti_heuristic_hints_once(tmp_path):
     rti = Session(SessionSettings(ladder=("rubric_hint@violation",), ladder_size=4, heuristic_escalates=False,
                                   bandit=Settings(heuristic_epsilon=1e-9)), seed=0)
     rti.begin_step(0, 10, 100)
-    rti.add([Group("g", "kin", 3, [fail()] * 4, options())])
+    rti.add([Group("g", "kin", 3, [fail()] * 4, menu())])
     (c,) = rti.decide(100)
-    assert c.option.name == "rubric_hint@violationx4"
+    assert c.intervention.name == "rubric_hint@violationx4"
     rti.ran(c.id, [Rollout(0.0, False)] * 4, 4)
     (c,) = rti.decide(100)  # asked again, but RTI hints once: nothing
     assert not c.intervenes
@@ -167,20 +167,20 @@ def test_an_rti_heuristic_hints_once(tmp_path):
 def test_capacity_caps_a_group_and_the_budget_caps_the_step(tmp_path):
     s = session(tmp_path, bandit=Settings(heuristic_epsilon=1e-9))  # the ladder acts, nearly deterministically
     s.begin_step(0, 10, 100)
-    s.add([Group("g", "calc", 3, [fail()] * 4, options(), capacity=5.0)])  # TRL: 5 free slots
+    s.add([Group("g", "calc", 3, [fail()] * 4, menu(), capacity=5.0)])  # TRL: 5 free slots
     seen = []
     for _ in range(4):
         (c,) = s.decide(100)
         if not c.intervenes:
             break
-        seen.append(c.option.cost)
-        s.ran(c.id, [Rollout(0.0, False)] * c.option.size, c.option.cost)
+        seen.append(c.intervention.cost)
+        s.ran(c.id, [Rollout(0.0, False)] * c.intervention.size, c.intervention.cost)
     s.end_step()
     assert seen == [2.0, 2.0]  # a third rung would overflow the group's slots: only "none" was left
     assert events(tmp_path)[-1]["_actions"] == ["none"]
     s.begin_step(1, 10, 100)
-    s.add([Group(f"g{i}", "calc", 3, [fail()] * 4, options()) for i in range(10)])
-    assert [c.option.cost for c in s.decide(7) if c.intervenes] == [2.0, 2.0, 2.0]
+    s.add([Group(f"g{i}", "calc", 3, [fail()] * 4, menu()) for i in range(10)])
+    assert [c.intervention.cost for c in s.decide(7) if c.intervenes] == [2.0, 2.0, 2.0]
     s.end_step()
 
 
@@ -192,13 +192,13 @@ def test_filters_and_headroom_shape_the_reward(tmp_path):
     s.end_step()
     assert s.pass_rate == {"calc/2": 0.25}
     s.begin_step(1, 10, 100)
-    s.add([Group(g, "calc", 2, [fail()] * 4, [o for o in options() if o.size == 2]) for g in "ab"])
-    choices = s.decide(100)
-    assert all(c.intervenes for c in choices)
-    for c in choices:
+    s.add([Group(g, "calc", 2, [fail()] * 4, [o for o in menu() if o.size == 2]) for g in "ab"])
+    decisions = s.decide(100)
+    assert all(c.intervenes for c in decisions)
+    for c in decisions:
         s.ran(c.id, [Rollout(1.0, True), Rollout(1.0, True)], 2)
     # the learner's filter ran after the rounds: it dropped the first rollout of every intervention
-    s.end_step(accepted={c.id: [False, True] for c in choices})
+    s.end_step(accepted={c.id: [False, True] for c in decisions})
     evs = events(tmp_path)[1:]
     assert len(evs) == 2
     for e in evs:
@@ -213,11 +213,11 @@ def test_filters_and_headroom_shape_the_reward(tmp_path):
 def test_misuse_gets_clear_errors():
     s = session()
     s.begin_step(0, 10, 100)
-    s.add([Group("g", "calc", 1, [fail()] * 2, options())])
+    s.add([Group("g", "calc", 1, [fail()] * 2, menu())])
     with pytest.raises(ValueError, match="already added"):
         s.add([Group("g", "calc", 1, [fail()] * 2)])
     with pytest.raises(ValueError, match="unique"):
-        s.add([Group("h", "calc", 1, [fail()], options() + options()[:1])])
+        s.add([Group("h", "calc", 1, [fail()], menu() + menu()[:1])])
     (c,) = s.decide(100)
     with pytest.raises(KeyError):
         s.ran("nope", [], 1)
@@ -247,17 +247,17 @@ def drive(s: Session, steps: range, seed: int = 0) -> None:
             level = rng.randint(1, 4)
             base = [win() if rng.random() < 0.5 / level else fail(rng.random(), rng.randint(0, 3), rng.randint(0, 3))
                     for _ in range(4)]
-            groups.append(Group(f"g{i}", ["calc", "kin"][i % 2], level, base, options()))
+            groups.append(Group(f"g{i}", ["calc", "kin"][i % 2], level, base, menu()))
         s.add(groups)
         for _ in range(4):
-            choices = s.decide(64)
-            if not any(c.intervenes for c in choices):
+            decisions = s.decide(64)
+            if not any(c.intervenes for c in decisions):
                 break
-            for c in choices:
+            for c in decisions:
                 if c.intervenes:
-                    p = 0.6 if c.option.key == "guided_step@violation" else 0.2
-                    s.ran(c.id, [Rollout(float(ok), ok) for ok in (rng.random() < p for _ in range(c.option.size))],
-                          c.option.cost)
+                    p = 0.6 if c.intervention.key == "guided_step@violation" else 0.2
+                    s.ran(c.id, [Rollout(float(ok), ok) for ok in (rng.random() < p for _ in range(c.intervention.size))],
+                          c.intervention.cost)
         s.end_step()
 
 

@@ -103,13 +103,12 @@ class Slots:
         interventions in order, fill)."""
         self.calls += 1
         cfg, g = self.cfg, self.g
-        cfg.budget.rollouts_per_step = len(tasks) * g  # the controller's features read the step's budget from cfg
-        cfg.run.steps = max(1, total_steps)
         tasks = list(tasks)
+        budget = StepBudget("rollouts", len(tasks) * g)  # every slot of the step, as rail's own loop counts a step
         base = await generate(self.requests(tasks, range(len(tasks)), self.n_base), ("base",))
+        budget.charge("base", len(base))  # what is left is the groups' free slots
         groups = [make_group(i, fam, task, base, capacity=g - self.n_base) for i, (fam, task) in enumerate(tasks)]
-        self.controller.begin_step(step, np.random.default_rng([seed, self.calls, 4]))
-        budget = StepBudget("rollouts", sum(x.capacity for x in groups))
+        self.controller.begin_step(step, max(1, total_steps), budget, np.random.default_rng([seed, self.calls, 4]))
         rounds = Rounds(self.controller, groups, tasks, make_menu(cfg, self.envs, self.runners), budget,
                         max_rounds=cfg.controller.max_rounds, group_size=g,
                         base_requests=lambda idx, k: self.requests(tasks, idx, k))
