@@ -22,6 +22,7 @@ from policy import grpo
 from policy.engine import RolloutRequest, TransformersEngine
 from policy.learner import pad_training_views
 from policy.model import load_policy
+from policy.records import succeeded
 from policy.packing import forward_logits
 from rail import interventions as ivs
 from rail.envs import ToolRunner, rubric_status
@@ -62,7 +63,7 @@ def main() -> None:
             reqs += p.requests if p is not None else []
         hinted = rollouts(eng, reqs, 2) if reqs else []
         return (float(np.mean([t.reward for t in base])), float(np.mean([t.reward for t in hinted])) if hinted else 0.0,
-                [t for t in hinted if t.reward >= 1.0])
+                [t for t in hinted if succeeded(t.reward)])
 
     @torch.no_grad()
     def stripped_logp(m, ids, attn):

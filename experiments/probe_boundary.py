@@ -26,6 +26,7 @@ import numpy as np
 from _probe import add_common_args, operator_keys, operator_rollouts, probe_config, rollout_groups, setup
 from policy.engine import SamplingParams, TransformersEngine
 from policy.fileio import write_text_atomic
+from policy.records import succeeded
 from rail.config import Config, ConfigError
 from rail.envs import ToolRunner, make_env
 from rail.policy_setup import warm_start
@@ -81,7 +82,7 @@ def sft_on_cell(model, renderer, family: str, env, cfg: Config, level: int, upda
 
 def success(trajs) -> float:
     """The share of ``trajs`` whose verifier reward is 1 (solved)."""
-    return float(np.mean([tr.reward >= 1.0 for tr in trajs])) if trajs else float("nan")
+    return float(np.mean([succeeded(tr.reward) for tr in trajs])) if trajs else float("nan")
 
 
 def rescue_rates(engine, params: SamplingParams, env, runner, tasks: list, groups: list[list], how_many: int,
@@ -89,15 +90,15 @@ def rescue_rates(engine, params: SamplingParams, env, runner, tasks: list, group
     """``({how@where: {"success", "rollouts", "groups", "rescued_groups"}}, failed groups)``: each operator's
     ``how_many`` rollouts from every group with no success that it can act on, all operators with the same
     sampling seed; operators that can act on none of them are left out."""
-    failed = [i for i, g in enumerate(groups) if not any(tr.reward >= 1.0 for tr in g)]
+    failed = [i for i, g in enumerate(groups) if not any(succeeded(tr.reward) for tr in g)]
     out = {}
     for key in operator_keys():
         rq, trajs, rewards = operator_rollouts(engine, params, env, runner, tasks, groups, key, how_many,
                                                max_tokens_per_turn, seed, only=failed)
         if not rq:
             continue
-        won = {r.group for r, rw in zip(rq, rewards) if rw >= 1.0}
-        out[key] = {"success": float(np.mean([rw >= 1.0 for rw in rewards])), "rollouts": len(rq),
+        won = {r.group for r, rw in zip(rq, rewards) if succeeded(rw)}
+        out[key] = {"success": float(np.mean([succeeded(rw) for rw in rewards])), "rollouts": len(rq),
                     "groups": len({r.group for r in rq}), "rescued_groups": len(won)}
     return out, len(failed)
 

@@ -22,6 +22,7 @@ import torch
 from _probe import add_common_args, setup
 from policy.engine import RolloutRequest
 from policy.learner import GRPOLearner
+from policy.records import succeeded
 from rail import interventions as ivs
 from rail.envs import ToolRunner, rubric_status
 from rail.policy_setup import RehearsalSource
@@ -74,7 +75,7 @@ def main() -> None:
         reqs = []
         for i in range(len(tasks)):
             group = [t for t in base if t.group == i]
-            if any(t.reward >= 1.0 for t in group):
+            if any(succeeded(t.reward) for t in group):
                 continue
             p = ivs.plan(iv, i, group, tasks[i], runner, env.system_prompt(), "rollouts", cfg.rollout.max_tokens_per_turn)
             reqs += p.requests if p is not None else []

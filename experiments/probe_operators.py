@@ -23,6 +23,7 @@ from _probe import add_common_args, operator_rollouts, rollout_groups, setup
 from policy import grpo
 from policy.learner import pad_training_views
 from policy.packing import forward_logits
+from policy.records import succeeded
 from rail.envs import ToolRunner
 
 OPERATORS = ("resample@violation", "rubric_hint@violation", "guided_step@violation", "action_guide@start",
@@ -56,7 +57,7 @@ def main() -> None:
                 _, out, rs = operator_rollouts(engine, params, env, runner, tasks, groups, key, a.group,
                                                cfg.rollout.max_tokens_per_turn, seed=100 + level)
                 row[key] = round(float(np.mean(rs)), 3) if rs else None
-                row[key + ":trained"] = trained_view([tr for tr, r in zip(out, rs) if r >= 1.0], model, renderer.pad, cfg)
+                row[key + ":trained"] = trained_view([tr for tr, r in zip(out, rs) if succeeded(r)], model, renderer.pad, cfg)
             print(json.dumps(row), flush=True)
             rows.append(row)
     summary = {"warmstart": info.get("warmstart"), "warmstart_seconds": round(t_ws, 1),

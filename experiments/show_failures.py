@@ -12,6 +12,7 @@ from pathlib import Path
 
 from policy.engine import RolloutRequest, SamplingParams, TransformersEngine
 from policy.model import load_policy
+from policy.records import succeeded
 from policy.tokenizer import ChatRenderer
 from rail.envs import ToolRunner, make_env, rubric_status
 from rail.train import resolve_checkpoint
@@ -37,7 +38,7 @@ def main() -> None:
     first_violated: Counter = Counter()
     shown, solved = 0, 0
     for task, tr in zip(tasks, trajs):
-        if env.reward(task, tr.steps) >= 1.0:
+        if succeeded(env.reward(task, tr.steps)):
             solved += 1
             continue
         st = rubric_status(env, task, tr.steps)

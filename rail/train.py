@@ -35,6 +35,7 @@ from policy.fileio import write_text_atomic
 from policy.engine import SamplingParams
 from policy.learner import GRPOLearner, LearnerSettings
 from policy.model import count_parameters, load_policy, resolve_device
+from policy.records import succeeded
 from policy.tokenizer import ChatRenderer
 from rail.budget import BudgetLedger, cost_of
 from rail.config import Config, merge, read_json, validate
@@ -373,7 +374,7 @@ class Trainer:
         rewards = np.array([tr.reward for tr in base])
         m = {
             "rollout/reward_mean": float(rewards.mean()),
-            "rollout/success_rate": float((rewards >= 1.0).mean()),
+            "rollout/success_rate": float(np.mean([succeeded(r) for r in rewards])),
             "rollout/tokens_mean": float(np.mean(n_gen)),
             "rollout/turns_mean": float(np.mean([tr.n_turns for tr in base])),
             "rollout/truncated_share": float(np.mean([tr.truncated for tr in base])),

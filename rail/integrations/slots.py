@@ -27,7 +27,7 @@ import numpy as np
 
 from policy.engine import RolloutRequest
 from policy.learner import assign_status
-from policy.records import Status
+from policy.records import Status, succeeded
 from rail.budget import StepBudget
 from rail.config import Config, ConfigError, validate
 from rail.controllers import CONTROLLERS, compose_of
@@ -131,7 +131,7 @@ class Slots:
         self.spent["intervention"] += n_iv
         m = intervention_metrics(groups, ran, n_iv / n if n else 0.0, self.per_key, self.totals)
         base = [t.reward for x in groups for t in x.base]
-        out = {"rollout/success_rate": float(np.mean([r >= 1.0 for r in base])) if base else 0.0,
+        out = {"rollout/success_rate": float(np.mean([succeeded(r) for r in base])) if base else 0.0,
                "shift/rejected": float(sum(t.status == Status.SHIFT_REJECTED for s in slots for t in s)),
                **{k: m[k] for k in ("intervention/decisions", "intervention/rollouts", "intervention/success_rate",
                                     "intervention/budget_share", "intervention/rescued_groups")}}
