@@ -198,10 +198,19 @@ def cmd_report(a: argparse.Namespace) -> int:
     return 0
 
 
+#: the project's packages, whose warnings are rail's own
+PACKAGES = tuple(Path(__file__).resolve().parent.parent / p for p in ("rail", "policy", "controller"))
+
+
+def _ours(filename: str) -> bool:
+    parents = Path(filename).resolve().parents
+    return any(p in parents for p in PACKAGES)
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None, _default=warnings.showwarning):
     """rail's own warnings (a checkpoint passed over, tracking switched off) as one ``rail: warning:`` line;
     any other library's as Python prints them."""
-    if Path(filename).resolve().parent.parent == Path(__file__).resolve().parent.parent and issubclass(category, UserWarning):
+    if issubclass(category, UserWarning) and _ours(filename):
         print(f"rail: warning: {message}", file=sys.stderr if file is None else file)
     else:
         _default(message, category, filename, lineno, file, line)
