@@ -274,6 +274,34 @@ class LearnedController:
         """Forget a decision that was never carried out (nothing is learned from it)."""
         self._pending.pop(decision_id, None)
 
+    def reuse(self, trace: str | os.PathLike) -> dict:
+        """Start from an earlier run's learned controller: replay its trace (``decisions.dsjson``) into this bandit,
+        take its last ``window`` events into the gate's window, and go live at once when the gate's estimate over
+        them already says the bandit beats the heuristic (lower bound above ``margin``). Before any decision of
+        this run; this run's trace holds only its own events. Returns what was reused (the events, the gate's
+        estimate, the mode)."""
+        from controller.traces import check_logged, read
+
+        if self.decided or self.learned:
+            raise RuntimeError("reuse: only before this controller's first decision")
+        events = read(trace)
+        for ev in events:
+            check_logged(ev)
+        for ev in events:
+            self.bandit.learn(ev["_line"])
+        for ev in events[-self.s.window:]:
+            i = ev["_labelIndex"]
+            self._remember(-float(ev["_label_cost"]), float(ev["_label_probability"]), i, list(ev["_pi"]),
+                           list(ev["_h"]), list(ev["_q"]))
+        est = self.evaluate() if self.window else {}
+        live = bool(est) and est["diff_lower"] > self.s.margin
+        if live and self.mode == "shadow":
+            self.transitions.append({"event": 0, "from": "shadow", "to": "live", "reused": str(trace),
+                                     **{k: est[k] for k in ("diff", "diff_lower", "diff_upper", "n")}})
+            self.mode = "live"
+        self.last_gate = est
+        return {"trace": str(trace), "events": len(events), "gate": est, "mode": self.mode}
+
     # ------------------------------------------------------------------ shadow -> live
     def evaluate(self) -> dict:
         """Off-policy estimates over the recent window: V(bandit), V(heuristic) and their DR difference."""

@@ -50,13 +50,13 @@ def next_rung(ladder: Sequence[str], tried: Sequence[str], actionable: Collectio
     return next((k for k in rungs if k in actionable), None)
 
 
-def rung_plan(groups: Iterable[tuple[str, Sequence[str], bool, Mapping[str, tuple[T, float]]]],
-              ladder: Sequence[str], budget: float, escalates: bool = True) -> dict[str, tuple[str, T, float]]:
-    """The rule's decisions for one round: for each asked group ``(id, tried, solved, actionable)``, in order, its
-    next rung (:func:`next_rung`) when that rung's cost fits what the groups before it left of ``budget``.
-    Returns ``{id: (key, item, cost)}`` for the groups it intervenes on."""
+def rung_plan(groups: Iterable[tuple[str, Sequence[str], Sequence[str], bool, Mapping[str, tuple[T, float]]]],
+              budget: float, escalates: bool = True) -> dict[str, tuple[str, T, float]]:
+    """The rule's decisions for one round: for each asked group ``(id, ladder, tried, solved, actionable)``, in
+    order, its next rung on its ladder (:func:`next_rung`) when that rung's cost fits what the groups before it
+    left of ``budget``. Returns ``{id: (key, item, cost)}`` for the groups it intervenes on."""
     left, out = float(budget), {}
-    for gid, tried, solved, acts in groups:
+    for gid, ladder, tried, solved, acts in groups:
         key = next_rung(ladder, tried, acts, solved, escalates)
         if key is None:
             continue

@@ -120,6 +120,7 @@ class Session:
         self._made: list[tuple[Decision, list[str]]] = []  # every decision, with the events that ran before it
         self._by_id: dict[str, Decision] = {}
         self._outcomes: dict[str, tuple[list[Rollout], float]] = {}
+        self.reused: dict | None = None  # what reuse() started from
 
     # ------------------------------------------------------------------ the step
     def begin_step(self, step: int, total_steps: int, step_budget: float) -> None:
@@ -152,10 +153,10 @@ class Session:
         self.round += 1
         asked = [g for g in self._groups.values() if g.rollouts and _asked(r, self._tried(g.id), self._solved(g.id))]
         menus = {g.id: self._affordable(g) for g in asked}
-        plan = rung_plan(((g.id, self._tried(g.id), self._solved(g.id),
+        plan = rung_plan(((g.id, self.s.ladder, self._tried(g.id), self._solved(g.id),
                            actionable(((o.key, o.cost, o) for o in menus[g.id] if o.size == self.s.ladder_size),
                                       None)) for g in asked),
-                         self.s.ladder, budget, self.s.heuristic_escalates)
+                         budget, self.s.heuristic_escalates)
         contexts = [Context(g.id, self._context(g, budget, r),
                             [replace(o, features={**o.features, "cost_share": o.cost / self.step_budget})
                              for o in menus[g.id]],
@@ -289,6 +290,12 @@ class Session:
         }
 
     # ------------------------------------------------------------------ reporting and state
+    def reuse(self, trace: str | os.PathLike) -> dict:
+        """Start from an earlier run's learned controller (its ``decisions.dsjson``; :meth:`LearnedController.reuse`):
+        before this run's first step. The summary says what was reused."""
+        self.reused = self.ctl.reuse(trace)
+        return self.reused
+
     @property
     def mode(self) -> str:
         return self.ctl.mode
@@ -306,15 +313,19 @@ class Session:
         return m
 
     def summary(self) -> dict:
-        return {"mode": self.ctl.mode, "events": self.ctl.learned, "transitions": self.ctl.transitions,
-                "last_gate": self.ctl.last_gate, "seconds": round(self.seconds, 3),
-                "trace": str(self.ctl.trace_path) if self.ctl.trace_path else None}
+        out = {"mode": self.ctl.mode, "events": self.ctl.learned, "transitions": self.ctl.transitions,
+               "last_gate": self.ctl.last_gate, "seconds": round(self.seconds, 3),
+               "trace": str(self.ctl.trace_path) if self.ctl.trace_path else None}
+        if self.reused:
+            out["reused"] = {k: self.reused[k] for k in ("trace", "events", "mode")}
+        return out
 
     def state_dict(self) -> dict:
         """Everything needed to continue (between steps): the bandit, gate and counters, and the pass rates."""
         if self._made:
             raise RuntimeError("state_dict: a step is in progress; save after end_step")
-        return {"learned": self.ctl.state_dict(), "pass_rate": self.pass_rate, "seconds": self.seconds}
+        return {"learned": self.ctl.state_dict(), "pass_rate": self.pass_rate, "seconds": self.seconds,
+                "reused": self.reused}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state_dict()``; the trace is cut back to the events that state had learned."""
@@ -322,6 +333,7 @@ class Session:
             self.ctl.load_state_dict(state["learned"])
             self.pass_rate = dict(state.get("pass_rate", {}))
             self.seconds = float(state.get("seconds", 0.0))
+            self.reused = state.get("reused")
 
     def save(self, path: str | os.PathLike) -> None:
         """The state and the settings, as one JSON file written atomically."""

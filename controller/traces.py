@@ -46,19 +46,30 @@ def parse_event(line: str | bytes, where: str) -> dict:
     return ev
 
 
-def _check_logged(ev: dict) -> None:
+def check_logged(ev: dict) -> None:
     """What :func:`evaluate` reads of an event beyond VW's keys: the action names, the chosen index, the
     heuristic's and the reward model's vectors (one entry per action), the cost and the mode."""
     acts = ev.get("_actions")
     ok = (isinstance(acts, list) and acts and all(isinstance(a, str) for a in acts)
           and isinstance(ev.get("_labelIndex"), int) and 0 <= ev["_labelIndex"] < len(acts)
           and all(isinstance(ev.get(k), list) and len(ev[k]) == len(acts)
-                  and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in ev[k]) for k in ("_h", "_q"))
+                  and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in ev[k])
+                  for k in ("_h", "_q", "_pi"))
           and isinstance(ev.get("_label_cost"), (int, float)) and not isinstance(ev["_label_cost"], bool)
           and ev.get("_mode") in ("shadow", "live"))
     if not ok:
-        raise TraceError(f"{ev['_where']}: not a rail decision event (_actions, _labelIndex, _h, _q, _label_cost "
-                         "and _mode are required, one _h and _q entry per action)")
+        raise TraceError(f"{ev['_where']}: not a rail decision event (_actions, _labelIndex, _h, _q, _pi, _label_cost "
+                         "and _mode are required, one _h, _q and _pi entry per action)")
+
+
+def find_trace(path: str | Path) -> Path | None:
+    """The decision trace a user names: the file itself, or a run directory's ``traces/decisions.dsjson`` (or a
+    traces directory's ``decisions.dsjson``); None when there is none."""
+    p = Path(path)
+    for cand in (p, p / "traces" / "decisions.dsjson", p / "decisions.dsjson"):
+        if cand.is_file():
+            return cand
+    return None
 
 
 def read(path: str | Path) -> list[dict]:
@@ -129,7 +140,7 @@ def evaluate(path: str | Path, policies: list[str] | None = None, alpha: float =
     if not events:
         raise TraceError(f"{p}: the trace holds no events")
     for e in events:
-        _check_logged(e)
+        check_logged(e)
     offered = {a for e in events for a in e["_actions"]}
     for name in policies or []:
         if not any(_is(a, name) for a in offered):  # never legal: 'none' under another name, say so instead

@@ -24,6 +24,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--budget", type=int, help="budget.rollouts_per_step (or tokens_per_step with unit=tokens)")
     p.add_argument("--group-size", type=int, help="budget.group_size")
     p.add_argument("--controller", help="controller.name")
+    p.add_argument("--controller-from", metavar="RUN", help="controller.init_from: start the learned controller from "
+                                                             "an earlier run's (its decision trace)")
     p.add_argument("--seed", type=int, help="run.seed")
     p.add_argument("--model", help="model.path: a Hugging Face model directory")
     p.add_argument("--out", help="run.out (default runs/<run.name>)")
@@ -90,7 +92,8 @@ def _report_parser(sub) -> None:
 def config_from_args(a: argparse.Namespace):
     sets: list[dict] = []
     flag = {"steps": "run.steps", "group_size": "budget.group_size", "controller": "controller.name",
-            "seed": "run.seed", "model": "model.path", "out": "run.out", "tracking_uri": "tracking.uri"}
+            "seed": "run.seed", "model": "model.path", "out": "run.out", "tracking_uri": "tracking.uri",
+            "controller_from": "controller.init_from"}
     for attr, key in flag.items():
         v = getattr(a, attr)
         if v is not None:

@@ -71,6 +71,9 @@ class WarmStartConfig:
     noise: float = F(0.4, "Share of demonstrations from an imperfect demonstrator (one wrong call, then consistent).")
     guided_share: float = F(0.4, "Share of demonstrations that follow guidance in their context (a plan or a rubric hint), so the built-in model can read the interventions' guidance.")
     guided_levels: list[int] = F([1, 2, 3, 4], "Levels the guided demonstrations are drawn from (empty: `warmstart.levels`). Reading guidance at levels it cannot solve alone is what a pretrained model brings.")
+    target: float = F(0.5, "The warm start must reach this unguided success on held-out tasks of warmstart.levels (warmstart.check_tasks per family and level, sampled as evaluation samples). Checked after warmstart.steps updates; below it, training goes on in cycles of warmstart.steps // 2 updates (a fresh cosine schedule each) until it is reached or warmstart.max_steps, and a run whose warm start never reaches it stops with a message (0: no check).")
+    max_steps: int = F(1300, "The most updates the warm start may take to reach warmstart.target.")
+    check_tasks: int = F(24, "Held-out tasks per family and level of the warm start's check.")
     cache_dir: str = F(".cache/rail/warmstart", "Where warm-started models are cached, keyed by their config, the model (the vocabulary, or model.path's files) and a hash of the warm start's first demonstrations (what the environments demonstrate).")
 
 
@@ -151,9 +154,11 @@ class ControllerConfig:
     rti_how_many: int = F(4, "rti: hinted rollouts per failed group.")
     ladder: list[str] = F(SETTING, "ladder: the rungs, cheapest first.")
     ladder_how_many: int = F(2, "ladder: rollouts per rung.")
+    ladder_by_cell: dict[str, list[str]] = F({}, "ladder: rungs of its own for a cell, 'family/level' -> rungs cheapest first (an empty list: no help there), e.g. {\"kin/3\" = [\"rubric_hint@start\"], \"calc/4\" = []} in TOML; a cell not listed climbs controller.ladder. A per-cell rule written from a probe's per-cell best operator (docs/claim/).")
     probe_rollouts: int = F(2, "actguide: rollouts per probe of the plan-length search.")
     max_probes: int = F(5, "actguide: most probes per group.")
     max_rounds: int = F(8, "Most decide -> run rounds per step. Each waits for the one before: fewer rounds make a step faster and rescue less (docs/benchmarks.md, 'A step's rollouts against one batch').")
+    init_from: str = F("", "rail: start from the learned controller of an earlier run, a run directory (its traces/decisions.dsjson) or a trace file: the bandit replays that trace and goes live at once when its gate's estimate over the trace's last controller.window events says it beats the heuristic (empty: a fresh controller). `rail train --controller-from RUN`.")
     shadow: str = F("ladder", "rail: the heuristic it shadows ('ladder': its first legal rung; 'rti': the rubric hint).")
     mode: str = F(SETTING, "rail: the starting mode, 'shadow' (the heuristic acts until the bandit is promoted) or 'live'.")
     epsilon: float = F(SETTING, "rail: the bandit's epsilon-greedy exploration when live.")
@@ -172,6 +177,8 @@ class EvalConfig:
     tasks_per_level: int = F(48, "Held-out tasks per family and level.")
     levels: list[int] = F([1, 2, 3, 4], "Levels evaluated.")
     temperature: float = F(0.7, "Sampling temperature at evaluation (0: greedy); success = pass@1.")
+    quick_every: int = F(4, "A quick evaluation every this many steps between the full ones (0: none): eval.quick_tasks held-out tasks per family and level of eval.levels, the first of the full evaluation's, so the report's budget-to-match figures have a fine grid (docs/ablation.md).")
+    quick_tasks: int = F(12, "Held-out tasks per family and level of a quick evaluation.")
 
 
 @dataclass
@@ -217,7 +224,7 @@ PRESETS: dict[str, dict] = {
         "run": {"name": "smoke", "steps": 3, "checkpoint_every": 2},
         # one head of 32: the smallest head size vLLM's CPU attention kernels take (rollout.engine = "vllm")
         "model": {"hidden_size": 32, "layers": 2, "heads": 1, "kv_heads": 1, "intermediate_size": 64},
-        "warmstart": {"steps": 20, "batch_size": 16},
+        "warmstart": {"steps": 20, "batch_size": 16, "target": 0.0},  # no check: 20 updates teach little
         "env": {"families": ["lookup", "calc", "kin"], "levels": [1, 2, 3]},  # every built-in family, for the tests
         "budget": {"rollouts_per_step": 16, "group_size": 4},
         "learner": {"minibatch_size": 16, "epochs": 1},
@@ -241,10 +248,16 @@ CHOICES = {
 
 def _coerce(key: str, value: Any, typ: Any) -> Any:
     origin = getattr(typ, "__origin__", None)
-    if origin is dict:  # a table of tables (env.options): checked further by validate()
-        if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-            raise ConfigError(f"{key}: expected a table of tables, e.g. {{bfcl = {{categories = [\"base\"]}}}}, got {value!r}")
-        return copy.deepcopy(value)
+    if origin is dict:
+        inner = typ.__args__[1]
+        if getattr(inner, "__origin__", None) is dict:  # a table of tables (env.options): checked by validate()
+            if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+                raise ConfigError(f"{key}: expected a table of tables, e.g. {{bfcl = {{categories = [\"base\"]}}}}, "
+                                  f"got {value!r}")
+            return copy.deepcopy(value)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table, e.g. {{\"kin/3\" = [\"rubric_hint@start\"]}}, got {value!r}")
+        return {str(k): _coerce(f"{key}.{k}", v, inner) for k, v in value.items()}
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r} (write it as [1, 2])")
@@ -269,6 +282,10 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     raise ConfigError(f"{key}: unsupported type {typ}")
 
 
+def _table_of_lists(typ: Any) -> bool:
+    return getattr(typ, "__origin__", None) is dict and getattr(typ.__args__[1], "__origin__", None) is list
+
+
 def merge(cfg: Config, overrides: dict, source: str = "") -> Config:
     """Apply a nested dict of overrides; unknown sections or keys are rejected, naming ``source``."""
     where = f" (in {source})" if source else ""
@@ -282,6 +299,11 @@ def merge(cfg: Config, overrides: dict, source: str = "") -> Config:
         hints = get_type_hints(type(sub))
         for key, value in values.items():
             head, _, rest = key.partition(".")
+            if rest and head in hints and _table_of_lists(hints[head]):  # --set 'controller.ladder_by_cell.kin/3=[...]'
+                table = dict(getattr(sub, head))
+                table.update(_coerce(f"{section}.{head}", {rest: value}, hints[head]))
+                setattr(sub, head, table)
+                continue
             if rest and getattr(hints.get(head), "__origin__", None) is dict:  # --set env.options.bfcl.categories=...
                 table = getattr(sub, head)
                 *path, last = rest.split(".")
@@ -422,7 +444,15 @@ def validate(cfg: Config) -> None:
                           f"{b.unit}); raise budget.total or set it to 0")
     if cfg.run.steps < 1:
         raise ConfigError(f"run.steps = {cfg.run.steps}: must be >= 1")
-    for key in ("run.checkpoint_every", "eval.every", "eval.tasks_per_level", "learner.epochs",
+    ws = cfg.warmstart
+    if not 0.0 <= ws.target <= 1.0:
+        raise ConfigError(f"warmstart.target = {ws.target}: a success rate in [0, 1] (0: no check)")
+    if ws.max_steps < ws.steps:
+        raise ConfigError(f"warmstart.max_steps = {ws.max_steps} is below warmstart.steps = {ws.steps}; raise it")
+    if cfg.eval.quick_every < 0:
+        raise ConfigError(f"eval.quick_every = {cfg.eval.quick_every}: must be >= 0 (0: no quick evaluation)")
+    for key in ("run.checkpoint_every", "eval.every", "eval.tasks_per_level", "learner.epochs", "warmstart.check_tasks",
+                "eval.quick_tasks",
                 "learner.minibatch_size", "rollout.max_turns", "rollout.max_tokens_per_turn",
                 "rollout.batch_size", "warmstart.batch_size", "warmstart.steps", "model.hidden_size",
                 "model.layers", "model.heads", "model.kv_heads", "model.intermediate_size", "model.max_positions"):
@@ -495,6 +525,26 @@ def validate(cfg: Config) -> None:
                 items[i] = Intervention.parse(item, 1).key  # one spelling: how@where[:T], T as rail writes it
             except ValueError as e:
                 raise ConfigError(f"{key}: {item!r}: {e}; write how@where, e.g. rubric_hint@violation") from None
+    for cell, rungs in c.ladder_by_cell.items():
+        fam, _, level = cell.partition("/")
+        if fam not in cfg.env.families or not level.isdigit() or not 1 <= int(level) <= 8:
+            raise ConfigError(f"controller.ladder_by_cell: {cell!r} is not a cell 'family/level' of env.families "
+                              f"{cfg.env.families} and a level in 1..8, e.g. 'kin/3'")
+        for i, item in enumerate(rungs):
+            try:
+                rungs[i] = Intervention.parse(item, 1).key
+            except ValueError as e:
+                raise ConfigError(f"controller.ladder_by_cell.{cell}: {item!r}: {e}; write how@where, e.g. "
+                                  "rubric_hint@violation") from None
+    if c.init_from:
+        from controller.traces import find_trace
+
+        trace = find_trace(c.init_from)
+        if trace is None:
+            raise ConfigError(f"controller.init_from = {c.init_from!r}: no decision trace there (a run directory of "
+                              "the learned controller holds traces/decisions.dsjson); name a finished rail run")
+        if c.name != "rail":
+            raise ConfigError(f"controller.init_from is the learned controller's; controller.name = {c.name!r}")
     if any(not t > 0 for t in c.temperatures):
         raise ConfigError(f"controller.temperatures = {c.temperatures}: temperatures must be > 0")
     if c.temperatures and not r.temperature > 0:

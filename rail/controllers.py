@@ -160,30 +160,33 @@ class DapoController(_Reserving):
 
 class _RungRule(_Reserving):
     """A fixed controller that runs the rung rule of :mod:`controller.heuristic` (the rule the learned controller
-    shadows) over ``rungs`` at ``size`` rollouts: each round, every group the rule asks takes its next rung among
-    those it can act on, in group order while the budget lasts (:func:`~controller.heuristic.rung_plan`)."""
+    shadows) over each group's rungs at ``size`` rollouts: each round, every group the rule asks takes its next
+    rung among those it can act on, in group order while the budget lasts (:func:`~controller.heuristic.rung_plan`)."""
 
     escalates = True
 
-    def rungs(self) -> tuple[list[str], int]:
+    def rungs(self, g: Group) -> list[str]:
+        """The rungs of ``g``'s ladder, cheapest first."""
+        raise NotImplementedError
+
+    def size(self) -> int:
         raise NotImplementedError
 
     def _decide(self, groups, remaining, unit, menu):
-        keys, size = self.rungs()
-        plan = rung_plan(((g.index, g.interventions, g.successes > 0, rungs_of(g, menu, keys, size)) for g in groups
-                          if g.n_base and asked(self.round, g.interventions, g.successes > 0)),
-                         keys, remaining, self.escalates)
+        size = self.size()
+        plan = rung_plan(((g.index, keys, g.interventions, g.successes > 0, rungs_of(g, menu, keys, size))
+                          for g in groups if g.n_base and asked(self.round, g.interventions, g.successes > 0)
+                          for keys in [self.rungs(g)]), remaining, self.escalates)
         return [Decision(gi, iv) for gi, (_, iv, _) in plan.items()]
 
     def reserve(self, decided, menu, rounds_left, refills=0) -> float:
         """Each group it just intervened on may climb its untried rungs, one a round."""
         if not self.escalates or rounds_left <= 0:
             return 0.0
-        keys, size = self.rungs()
         total = 0.0
         for g in decided:
-            costs = sorted((c for k, (_, c) in rungs_of(g, menu, keys, size).items() if k not in g.interventions),
-                           reverse=True)
+            costs = sorted((c for k, (_, c) in rungs_of(g, menu, self.rungs(g), self.size()).items()
+                            if k not in g.interventions), reverse=True)
             total += sum(costs[:rounds_left])  # the rung this round's decision took is among them: an upper bound
         return total
 
@@ -202,17 +205,25 @@ class RtiController(_RungRule):
     name = "rti"
     escalates = False
 
-    def rungs(self):
-        return ["rubric_hint@violation"], self.cfg.controller.rti_how_many
+    def rungs(self, g):
+        return ["rubric_hint@violation"]
+
+    def size(self):
+        return self.cfg.controller.rti_how_many
 
 
 class LadderController(_RungRule):
-    """Minimal intervention: each round, every group still without a success climbs one rung."""
+    """Minimal intervention: each round, every group still without a success climbs one rung of its cell's ladder
+    (``controller.ladder_by_cell``, else ``controller.ladder``)."""
 
     name = "ladder"
 
-    def rungs(self):
-        return list(self.cfg.controller.ladder), self.cfg.controller.ladder_how_many
+    def rungs(self, g):
+        c = self.cfg.controller
+        return c.ladder_by_cell.get(f"{g.family}/{g.task.level}", c.ladder)
+
+    def size(self):
+        return self.cfg.controller.ladder_how_many
 
 
 class ActGuideController(_Reserving):
@@ -330,6 +341,10 @@ class RailController(_Reserving):
         trace_dir = None if out is None else Path(out) / "traces"
         self.session = Session(session, seed=config.run.seed, trace_dir=trace_dir)
         self.ctl = self.session.ctl
+        if c.init_from:  # (a resumed run's checkpoint then replaces it with the state it had reached)
+            from controller.traces import find_trace
+
+            self.session.reuse(find_trace(c.init_from))
         self._views: dict[str, Group] = {}  # the session's group id -> rail's group
         self._event: dict[int, str] = {}  # id(rail Decision) -> the session's event id
 

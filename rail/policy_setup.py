@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from policy.fileio import write_text_atomic
 from policy.learner import sft_loss
 from policy.model import build_tiny_model, load_policy, load_tokenizer, resolve_device, save_policy
 from policy.records import Origin, Trajectory
@@ -208,10 +209,16 @@ def checkpoint_fingerprint(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def demonstration_batches(renderer: ChatRenderer, envs: dict[str, Environment], cfg: Config):
-    """The warm start's batches, in order: ``warmstart.steps`` lists of ``warmstart.batch_size`` reference
-    trajectories (families alternating; a share ``guided_share`` guided, the rest from the imperfect
-    demonstrator), drawn from one generator seeded by ``run.seed``."""
+def demonstration_batches(renderer: ChatRenderer, envs: dict[str, Environment], cfg: Config, steps: int | None = None):
+    """The warm start's batches, in order: ``steps`` (default ``warmstart.steps``; None for ever, with
+    :func:`demonstration_stream`) lists of ``warmstart.batch_size`` reference trajectories."""
+    return itertools.islice(demonstration_stream(renderer, envs, cfg), cfg.warmstart.steps if steps is None else steps)
+
+
+def demonstration_stream(renderer: ChatRenderer, envs: dict[str, Environment], cfg: Config):
+    """The warm start's batches, without end: lists of ``warmstart.batch_size`` reference trajectories (families
+    alternating; a share ``guided_share`` guided, the rest from the imperfect demonstrator), drawn from one
+    generator seeded by ``run.seed``; the first ``warmstart.steps`` are :func:`demonstration_batches`."""
     ws, fmt = cfg.warmstart, cfg.rollout.tool_format
     rng = np.random.default_rng([cfg.run.seed, 7919])
     names = sorted(envs)
@@ -224,7 +231,7 @@ def demonstration_batches(renderer: ChatRenderer, envs: dict[str, Environment], 
                     if a.args[1] not in alternatives[a.tool]:
                         alternatives[a.tool].append(a.args[1])
     alternatives = {tool: sorted(values) for tool, values in alternatives.items()}  # fixed confusion partners
-    for _ in range(ws.steps):
+    while True:
         trajs = []
         for k in range(ws.batch_size):
             env = envs[names[k % len(names)]]
@@ -267,14 +274,19 @@ class RehearsalSource:
         return out
 
 
-def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg: Config, progress=None) -> list[float]:
-    """SFT on reference trajectories of ``warmstart.levels``; returns the loss curve."""
+def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg: Config, progress=None,
+               batches=None, steps: int | None = None, first: int = 0) -> list[float]:
+    """SFT on reference trajectories of ``warmstart.levels``: ``steps`` (default ``warmstart.steps``) updates on
+    ``batches`` (default :func:`demonstration_stream`), AdamW with cosine decay over them; returns the loss curve.
+    ``progress(i, loss)`` counts updates from ``first``."""
     ws = cfg.warmstart
+    steps = ws.steps if steps is None else steps
+    batches = demonstration_stream(renderer, envs, cfg) if batches is None else batches
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + np.cos(np.pi * min(1.0, i / ws.steps))))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + np.cos(np.pi * min(1.0, i / steps))))
     model.train()
     losses = []
-    for i, trajs in enumerate(demonstration_batches(renderer, envs, cfg)):
+    for i, trajs in enumerate(itertools.islice(batches, steps)):
         loss = sft_loss(model, trajs, renderer.pad)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -283,15 +295,64 @@ def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg:
         sched.step()
         losses.append(float(loss.detach()))
         if progress is not None:
-            progress(i, losses[-1])
+            progress(first + i, losses[-1])
     model.eval()
     return losses
 
 
+def warm_start_success(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg: Config) -> float:
+    """The warm start's check: mean unguided success over families and ``warmstart.levels`` on
+    ``warmstart.check_tasks`` held-out tasks each, sampled as evaluation samples (``rail.evaluate``)."""
+    import copy
+
+    from policy.engine import TransformersEngine
+    from rail.evaluate import evaluate, mean_over
+    from rail.rounds import derive_seed
+
+    c = copy.deepcopy(cfg)
+    c.eval.levels, c.eval.tasks_per_level = list(cfg.warmstart.levels), cfg.warmstart.check_tasks
+    engine = TransformersEngine(model, renderer, batch_size=cfg.rollout.batch_size)
+    return mean_over(evaluate(engine, envs, c, seed=derive_seed(cfg.run.seed, 30_000)), c.eval.levels)
+
+
+def train_warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg: Config,
+                     progress=None) -> tuple[list[float], dict]:
+    """The warm start and its check: ``warmstart.steps`` updates, then, while the check's success
+    (:func:`warm_start_success`) is below ``warmstart.target``, cycles of ``warmstart.steps // 2`` more (a fresh
+    optimizer and cosine schedule each: warm restarts) until it is reached or ``warmstart.max_steps`` would be
+    passed. Returns the loss curve and the check: ``{"updates", "success", "target", "met"}`` (``success`` None
+    with ``warmstart.target = 0``: no check)."""
+    ws = cfg.warmstart
+    stream = demonstration_stream(renderer, envs, cfg)
+    losses = warm_start(model, renderer, envs, cfg, progress, stream)
+    if not ws.target:
+        return losses, {"updates": len(losses), "success": None, "target": 0.0, "met": True}
+    success = warm_start_success(model, renderer, envs, cfg)
+    cycle = max(1, ws.steps // 2)
+    while success < ws.target and len(losses) + cycle <= ws.max_steps:
+        losses += warm_start(model, renderer, envs, cfg, progress, stream, cycle, first=len(losses))
+        success = warm_start_success(model, renderer, envs, cfg)
+    return losses, {"updates": len(losses), "success": round(success, 4), "target": ws.target,
+                    "met": success >= ws.target}
+
+
+def _check_message(check: dict, cfg: Config, cache: Path | None) -> str:
+    levels = cfg.warmstart.levels
+    return (f"warm start: unguided success on levels {levels} reached {check['success']:.3f} after "
+            f"{check['updates']} updates, below warmstart.target = {check['target']} (warmstart.max_steps = "
+            f"{cfg.warmstart.max_steps}); the policy cannot yet do what the run builds on, so the run stops. "
+            f"Try another run.seed, raise warmstart.max_steps, or set warmstart.target lower (0: no check)"
+            + (f"; the failed check is recorded in {cache}" if cache is not None else ""))
+
+
 def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
     """(model, tokenizer, info): the built-in model or the checkpoint at ``model.path``, warm-started (SFT on
-    reference trajectories in the model's own chat template and tool-call format) unless
-    ``warmstart.enabled`` is false, and cached under ``warmstart.cache_dir``; on ``run.device``."""
+    reference trajectories in the model's own chat template and tool-call format, until its check passes:
+    :func:`train_warm_start`) unless ``warmstart.enabled`` is false, and cached under ``warmstart.cache_dir``; on
+    ``run.device``. A warm start that misses ``warmstart.target`` is a :class:`rail.rundir.RunError` (and is
+    remembered in the cache, so another run of the same config stops at once)."""
+    from rail.rundir import RunError
+
     device = resolve_device(cfg.run.device)
     if cfg.model.path:
         model, tok = load_policy(cfg.model.path)
@@ -302,10 +363,14 @@ def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
         model, source = None, "built-in"
         tok = build_word_tokenizer(vocabulary(envs))
     cache = warmstart_cache(cfg, envs, tok) if cfg.warmstart.enabled else None
+    if cache is not None and (cache / FAILED).is_file():
+        check = json.loads((cache / FAILED).read_text())
+        raise RunError(_check_message(check, cfg, cache))
     if cache is not None and (cache / "config.json").is_file():
         try:
             model, tok = load_policy(cache)
-            return model.to(device), tok, {"source": source, "warmstart": f"cached ({cache})"}
+            check = json.loads((cache / CHECK).read_text()) if (cache / CHECK).is_file() else None
+            return model.to(device), tok, {"source": source, "warmstart": f"cached ({cache})", "warmstart_check": check}
         except (ValueError, OSError) as e:
             log.warning("warm-start cache %s unreadable (%s); rebuilding it", cache, e)
             if cfg.model.path:
@@ -319,7 +384,17 @@ def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
     model.to(device)  # built or loaded on the CPU (the same weights wherever it trains)
     info = {"source": source, "warmstart": "disabled"}
     if cfg.warmstart.enabled:
-        losses = warm_start(model, ChatRenderer(tok), envs, cfg, progress)
+        losses, check = train_warm_start(model, ChatRenderer(tok), envs, cfg, progress)
+        if not check["met"]:
+            cache.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(cache / FAILED, json.dumps(check))
+            raise RunError(_check_message(check, cfg, cache))
         save_policy(model, tok, cache)
-        info = {"source": source, "warmstart": f"trained ({cache})", "warmstart_final_loss": losses[-1]}
+        write_text_atomic(cache / CHECK, json.dumps(check))
+        info = {"source": source, "warmstart": f"trained ({cache})", "warmstart_final_loss": losses[-1],
+                "warmstart_check": check}
     return model, tok, info
+
+
+#: in a warm-start cache directory: the check of the warm start it holds, or of one that missed its target
+CHECK, FAILED = "check.json", "failed.json"

@@ -53,12 +53,20 @@ def format_summary(s: dict, out: Path) -> str:
         *_interventions(s.get("interventions")),
         *_controller(s.get("controller_state")),
         *_learned(s.get("choices"), e, s["steps"], learns=s["controller"] == "rail"),
-        "boundary (levels unsolved at the start): "
-        + ", ".join(f"{f}: {v['unsolved_at_start']}" for f, v in s["boundary"].items()),
+        *_warm_start(s["model"].get("warmstart_check"), e["easy_levels"]),
+        "boundary (levels beyond reach at the start: unguided success below 0.05): "
+        + ", ".join(f"{f}: {v['beyond_reach_at_start']}" for f, v in s["boundary"].items()),
         "time (s): " + ", ".join(f"{TIME_LABELS.get(k, k)} {v:.1f}" for k, v in s["time"].items()),
         f"outputs: {out}/summary.json, metrics.jsonl, checkpoints/",
     ]
     return "\n".join(lines)
+
+
+def _warm_start(check: dict | None, levels: list[int]) -> list[str]:
+    if not check or check.get("success") is None:
+        return []
+    return [f"warm start: {check['updates']} updates, unguided success on levels {levels} {check['success']:.3f} "
+            f"(target {check['target']})"]
 
 
 def _overall(e: dict) -> list[str]:
@@ -112,7 +120,10 @@ def _controller(c: dict | None) -> list[str]:
         return []
     moves = ", ".join(f"{t['from']}->{t['to']} at decision {t['event']} (DR diff {t['diff']:+.3f}, "
                       f"bound [{t['diff_lower']:+.3f}, {t['diff_upper']:+.3f}])" for t in c["transitions"]) or "none"
+    reused = c.get("reused")
     return [f"learned controller: {c['events']} decisions, final mode {c['mode']}; transitions: {moves}",
+            *([f"  started from {reused['trace']} ({reused['events']} decisions replayed; it started {reused['mode']})"]
+              if reused else []),
             f"  trace: {c['trace']}  (rail traces evaluate {c['trace']})"]
 
 

@@ -16,6 +16,7 @@ what the uninterrupted one would have.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -56,6 +57,9 @@ log = logging.getLogger("rail")
 #: fill's fresh groups (generation only); scoring every rollout; the controller's own work (its decisions,
 #: bookkeeping and learning); the learner's update; the held-out evaluations
 TIMINGS = ("generate", "rounds", "score", "controller", "update", "eval")
+#: a level whose unguided success at the start is below this is beyond reach: a group there almost never holds a
+#: success, so plain GRPO gets no signal from it (the boundary probe's ``unguided`` target)
+REACH = 0.05
 
 
 def learner_settings(cfg: Config, **overrides) -> LearnerSettings:
@@ -127,6 +131,7 @@ class RunState:
     wall_seconds: float = 0.0
     eval_initial: dict = field(default_factory=dict)
     eval_history: list = field(default_factory=list)
+    quick_history: list = field(default_factory=list)  # the quick evaluations (eval.quick_every)
     mlflow_run_id: str | None = None
     tokens_per_rollout: float = 0.0  # running mean, for planning token budgets
     interventions: dict = field(default_factory=dict)  # how@where -> totals of STAT_KEYS over the run
@@ -167,7 +172,12 @@ class Trainer:
             self.model.to(resolve_device(cfg.run.device))
             self.policy_info = {"source": f"checkpoint {ckpt}"}
         else:
-            self.model, self.tokenizer, self.policy_info = make_policy(cfg, self.envs, self._ws_progress())
+            progress = self._ws_progress()
+            try:
+                self.model, self.tokenizer, self.policy_info = make_policy(cfg, self.envs, progress)
+            finally:
+                if progress is not None:
+                    progress.close()
         self.renderer = ChatRenderer(self.tokenizer)
         self.engine = make_engine(cfg, self.model, self.renderer, out)
         self.rehearsal = RehearsalSource(self.renderer, self.envs, cfg) if cfg.learner.rehearsal > 0 else None
@@ -194,10 +204,12 @@ class Trainer:
         bar = tqdm(total=self.cfg.warmstart.steps, desc="warm start", unit="step", leave=False)
 
         def cb(i, loss):
+            if i >= bar.total:  # a cycle more, towards warmstart.target
+                bar.total = i + max(1, self.cfg.warmstart.steps // 2)
+                bar.refresh()
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
-            if i == self.cfg.warmstart.steps - 1:
-                bar.close()
+        cb.close = bar.close
         return cb
 
     def _trackers(self, resume: bool):
@@ -243,6 +255,7 @@ class Trainer:
         rs = saved["run"]
         self.state = RunState(step=int(saved["step"]), wall_seconds=float(rs["wall_seconds"]),
                               eval_initial=rs["eval_initial"], eval_history=rs["eval_history"],
+                              quick_history=rs.get("quick_history", []),
                               mlflow_run_id=rs.get("mlflow_run_id"),
                               tokens_per_rollout=float(rs.get("tokens_per_rollout", 0.0)),
                               interventions=rs.get("interventions", {}),
@@ -262,7 +275,8 @@ class Trainer:
             "budget": self.ledger.state_dict(),
             "controller": self.controller.state_dict(),
             "run": {"wall_seconds": st.wall_seconds + self._elapsed(), "eval_initial": st.eval_initial,
-                    "eval_history": st.eval_history, "mlflow_run_id": st.mlflow_run_id,
+                    "eval_history": st.eval_history, "quick_history": st.quick_history,
+                    "mlflow_run_id": st.mlflow_run_id,
                     "tokens_per_rollout": st.tokens_per_rollout, "interventions": st.interventions,
                     "intervention_totals": st.intervention_totals, "tool_calls": st.tool_calls,
                     "errors": st.errors, "choices": st.choices},
@@ -426,6 +440,21 @@ class Trainer:
                                   "budget/spent_total": float(self.ledger.used)}, step)
         return res
 
+    def _quick_evaluate(self, step: int) -> None:
+        """A quick evaluation (``eval.quick_every``): the first ``eval.quick_tasks`` held-out tasks of each family
+        and level, sampled as the full evaluation samples them, under its own seed."""
+        t = time.perf_counter()
+        c = copy.deepcopy(self.cfg)
+        c.eval.tasks_per_level = min(c.eval.quick_tasks, c.eval.tasks_per_level)
+        res = evaluate(self.engine, self.envs, c, seed=derive_seed(self.cfg.run.seed, 10_001))
+        self.timings["eval"] += time.perf_counter() - t
+        self.state.quick_history.append({"step": step, "budget_spent": self.ledger.used, "success": res})
+        levels = [lv for lv in self.cfg.eval.levels if lv not in self.cfg.warmstart.levels]
+        self.tracker.log_metrics({**{f"quick/{fam}/level_{lv}": v for fam, rates in res.items()
+                                     for lv, v in rates.items()},
+                                  "quick/easy_mean": mean_over(res, self.cfg.warmstart.levels),
+                                  **({"quick/beyond_mean": mean_over(res, levels)} if levels else {})}, step)
+
     def run(self) -> dict:
         """Train to ``run.steps`` (or ``budget.total``), evaluate, write ``summary.json``; the run directory's
         lock is released however it ends."""
@@ -457,6 +486,8 @@ class Trainer:
                 self.tracker.log_metrics(metrics, step)
                 if step % cfg.eval.every == 0 and step < cfg.run.steps:
                     self._evaluate(step)
+                elif cfg.eval.quick_every and step % cfg.eval.quick_every == 0 and step < cfg.run.steps:
+                    self._quick_evaluate(step)
                 if step % cfg.run.checkpoint_every == 0 or step == cfg.run.steps:
                     self._checkpoint()
                 if bar is not None:
@@ -493,8 +524,8 @@ class Trainer:
     def summary(self) -> dict:
         cfg, st = self.cfg, self.state
         initial, final = st.eval_initial, st.eval_history[-1]["success"]
-        boundary = {fam: {"solved_at_start": [int(lv) for lv, v in rates.items() if v >= 0.05],
-                          "unsolved_at_start": [int(lv) for lv, v in rates.items() if v < 0.05]}
+        boundary = {fam: {"within_reach_at_start": [int(lv) for lv, v in rates.items() if v >= REACH],
+                          "beyond_reach_at_start": [int(lv) for lv, v in rates.items() if v < REACH]}
                     for fam, rates in initial.items()}
         easy = [lv for lv in cfg.eval.levels if lv in cfg.warmstart.levels]
         beyond = [lv for lv in cfg.eval.levels if lv > max(cfg.warmstart.levels)]
@@ -508,7 +539,7 @@ class Trainer:
                        "group_size": cfg.budget.group_size,
                        "spent": {"base": self.ledger.spent["base"], "intervention": self.ledger.spent["intervention"],
                                  "total": self.ledger.used}},
-            "eval": {"initial": initial, "final": final, "history": st.eval_history,
+            "eval": {"initial": initial, "final": final, "history": st.eval_history, "quick": st.quick_history,
                      "tasks": self.eval_counts, "overall_initial": overall(initial, self.eval_counts),
                      "overall_final": overall(final, self.eval_counts),
                      "easy_levels": easy, "beyond_levels": beyond,

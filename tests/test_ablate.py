@@ -17,7 +17,7 @@ import pytest
 
 from processes import RAIL, ROOT, launch, rail, wait_for
 from rail.lab.ablate import MANAGED, dump_toml, load_ablation, plan_jobs, shared_view
-from rail.config import build_config
+from rail.config import ConfigError, build_config
 from rail.cli import main
 
 ABLATIONS = sorted((ROOT / "experiments" / "ablations").glob("*.toml"))
@@ -386,3 +386,20 @@ def test_rerun_skips_finished_resumes_killed_and_records_a_failed_arm(smoke_abla
     assert len(children) == len(load_ablation(CONTROLLERS).arms) + 1
     new = [x for x in children if x.info.run_id == d["mlflow_run_id"]]
     assert len(new) == 1 and new[0].info.status == "FINISHED" and new[0].info.run_name == "controllers-dapo-seed0"
+
+
+def test_world_per_seed_gives_each_seed_its_own_world(tmp_path):
+    """ablation.world_per_seed = true: a job's env.seed is its run seed (five seeds, five worlds); arms of a seed
+    share it, and nothing else may set it."""
+    path = tmp_path / "w.toml"
+    path.write_text('[ablation]\nname = "w"\nseeds = 3\nworld_per_seed = true\n\n'
+                    '[arms.none]\ncontroller.name = "none"\n\n[arms.ladder]\ncontroller.name = "ladder"\n')
+    jobs = plan_jobs(load_ablation(path), "smoke", tmp_path / "out")
+    assert {(j.arm, j.seed, j.cfg.env.seed) for j in jobs} == {(a, s, s) for a in ("none", "ladder") for s in range(3)}
+    with pytest.raises(ConfigError, match="world_per_seed"):
+        plan_jobs(load_ablation(path), "smoke", tmp_path / "out", sets=[{"env": {"seed": 4}}])
+    path.write_text(path.read_text().replace("[arms.none]", "[base.env]\nseed = 2\n\n[arms.none]"))
+    with pytest.raises(ConfigError, match="world_per_seed"):
+        load_ablation(path)
+    path.write_text(path.read_text().replace("world_per_seed = true", "world_per_seed = false"))
+    assert {j.cfg.env.seed for j in plan_jobs(load_ablation(path), "smoke", tmp_path / "out")} == {2}

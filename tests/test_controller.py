@@ -254,3 +254,25 @@ def test_example_trainer_loop_runs_and_resumes(tmp_path):
     assert {e["EventId"].split("-")[0] for e in events} == {f"s{i}" for i in range(30)}
     assert any(e["c"]["s"]["round"] > 0 for e in events)
     assert (tmp_path / "controller.json").exists()
+
+
+def test_a_controller_reused_from_an_earlier_trace_starts_where_it_ended(tmp_path):
+    """reuse(trace): the bandit is the trace's replay, the gate's window its last events; a controller whose source
+    went live starts live from its first decision, one whose source stayed in shadow starts in shadow, and this
+    run's own trace holds only its own events."""
+    poor, _ = synthetic(lambda k: "x", trace_dir=tmp_path / "poor")
+    assert poor.mode == "live"
+    fresh = LearnedController(poor.s, seed=9, trace_dir=tmp_path / "new")
+    info = fresh.reuse(tmp_path / "poor" / "decisions.dsjson")
+    assert info["events"] == poor.learned and info["mode"] == "live" and fresh.mode == "live"
+    assert fresh.bandit.weights_equal(T.replay(tmp_path / "poor" / "decisions.dsjson"))
+    assert fresh.transitions[0]["from"] == "shadow" and fresh.transitions[0]["diff_lower"] > 0
+    (d,) = fresh.decide([Context("g", {"kind": "a"}, [act(n, {"op": n}, 1.0) for n in "xyz"], heuristic="x")], 5)
+    assert d.mode == "live"
+    fresh.feedback(d.id, 0.5)
+    assert len((tmp_path / "new" / "decisions.dsjson").read_text().splitlines()) == 1
+    with pytest.raises(RuntimeError, match="first decision"):
+        fresh.reuse(tmp_path / "poor" / "decisions.dsjson")
+    good, _ = synthetic(lambda k: BEST[k], trace_dir=tmp_path / "good")
+    again = LearnedController(good.s, seed=9)
+    assert again.reuse(tmp_path / "good" / "decisions.dsjson")["mode"] == "shadow" and again.mode == "shadow"

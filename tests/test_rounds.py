@@ -153,10 +153,11 @@ def test_the_rung_rule_by_hand():
     # actionable: legal (a cost) and within the room; rung_plan: in order while the rungs fit the budget
     acts = actionable([("a@x", 2.0, "A"), ("b@x", None, "B"), ("c@y", 4.0, "C")], room=3.0)
     assert acts == {"a@x": ("A", 2.0)}
-    groups = [("g0", [], False, {"a@x": ("A", 2.0)}), ("g1", [], False, {"c@y": ("C", 4.0)}),
-              ("g2", [], False, {"a@x": ("A", 2.0)}), ("g3", [], True, {"a@x": ("A", 2.0)})]
-    assert rung_plan(groups, ladder, budget=5.0) == {"g0": ("a@x", "A", 2.0), "g2": ("a@x", "A", 2.0)}  # g1: 4 > 3
-    assert rung_plan(groups, ladder, budget=100.0).keys() == {"g0", "g1", "g2"}  # g3 is solved
+    groups = [("g0", ladder, [], False, {"a@x": ("A", 2.0)}), ("g1", ladder, [], False, {"c@y": ("C", 4.0)}),
+              ("g2", ladder, [], False, {"a@x": ("A", 2.0)}), ("g3", ladder, [], True, {"a@x": ("A", 2.0)}),
+              ("g4", ["c@y"], [], False, {"a@x": ("A", 2.0)})]  # its own ladder has no rung it can act on
+    assert rung_plan(groups, budget=5.0) == {"g0": ("a@x", "A", 2.0), "g2": ("a@x", "A", 2.0)}  # g1: 4 > 3 left
+    assert rung_plan(groups, budget=100.0).keys() == {"g0", "g1", "g2"}  # g3 is solved
 
 
 def test_rescues_are_counted_once_by_one_definition(world):
@@ -272,3 +273,22 @@ def test_the_fill_beside_the_last_allowed_round_takes_the_whole_rest(world):
         groups, budget, calls, ran = _step_with_fresh_groups(world, "ladder", total, max_rounds=1)
         assert ran and [key for key, _ in calls] == [("round", 0)], (total, calls)
         assert budget.remaining < 2 and len(groups[-1].trajectories) >= 2
+
+
+def test_a_cells_own_ladder(world):
+    """controller.ladder_by_cell: a cell's groups climb the cell's own rungs (an empty list: no help), other cells
+    controller.ladder; the budget rule is the same."""
+    env, _, _ = world
+    envs, runners = {"lookup": env}, {"lookup": ToolRunner(env)}
+    for cell_rungs, want in ((["guided_step@violation"], "guided_step@violation"), ([], None)):
+        cfg = _cfg("ladder", ladder_by_cell={"lookup/3": list(cell_rungs)})
+        ctl = CONTROLLERS["ladder"](config=cfg)
+        groups = _groups(world)
+        ctl.begin_step(1, 10, StepBudget("rollouts", 1000), np.random.default_rng(0))
+        keys = {d.group: d.intervention.key for d in ctl.decide(groups, 1000, "rollouts", make_menu(cfg, envs, runners))}
+        assert set(keys.values()) == ({want} if want else set()), keys
+    other = _cfg("ladder", ladder_by_cell={"lookup/4": []})  # another cell's rule leaves level 3 on controller.ladder
+    ctl = CONTROLLERS["ladder"](config=other)
+    ctl.begin_step(1, 10, StepBudget("rollouts", 1000), np.random.default_rng(0))
+    decided = ctl.decide(_groups(world), 1000, "rollouts", make_menu(other, envs, runners))
+    assert {d.intervention.key for d in decided} == {other.controller.ladder[0]}

@@ -61,6 +61,10 @@ def test_bad_group_size_is_rejected_before_anything_runs(tmp_path):
     (["controller.temperatures=[0.0]"], "controller.temperatures"),
     (["controller.temperatures=[1.3]"], "controller.temperatures"),  # the shadowed ladder's rungs are off the menu
     (["controller.menu=['resample@start:hot']"], "controller.menu"),
+    (["warmstart.target=1.5"], "warmstart.target"),
+    (["warmstart.max_steps=5"], "warmstart.max_steps"),
+    (["warmstart.check_tasks=0"], "warmstart.check_tasks"),
+    (["controller.ladder_by_cell={'chess/3' = []}"], "controller.ladder_by_cell"),
 ])
 def test_config_errors_name_the_field(sets, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
@@ -222,9 +226,10 @@ def test_smoke_trace_parses_with_vw_and_replays_to_the_checkpointed_controller(t
     from controller.traces import replay
     from controller.vw import Bandit
 
-    cfg = smoke(tmp_path, cache_dir, "run.steps=4")
+    cfg = smoke(tmp_path, cache_dir, "run.steps=4", "eval.quick_every=1")
     trainer, out = start_run(cfg, show_progress=False)
-    trainer.run()
+    summary = trainer.run()
+    assert [q["step"] for q in summary["eval"]["quick"]] == [1, 3]  # between the full evaluations (every 2)
     lines = (out / "traces" / "decisions.dsjson").read_text().splitlines()
     assert lines
     ws = vw.Workspace(["--cb_explore_adf", "--quiet", "-q", "sa"])
@@ -266,6 +271,27 @@ def test_smoke_trace_parses_with_vw_and_replays_to_the_checkpointed_controller(t
     assert not missing, f"logged but not defined in docs/metrics.md: {missing}"
 
 
+def test_a_run_starts_from_an_earlier_runs_controller(tmp_path, cache_dir):
+    """rail train --controller-from RUN (controller.init_from): the learned controller replays RUN's trace and the
+    summary says so; its own trace holds only its own decisions; a path without a trace is refused before
+    anything runs."""
+    first = smoke(tmp_path / "a", cache_dir, "run.steps=2")
+    start_run(first, show_progress=False)[0].run()
+    src = Path(first.run.out)
+    n = len((src / "traces" / "decisions.dsjson").read_text().splitlines())
+    out = tmp_path / "b"
+    r = cli("train", "--preset", "smoke", "--out", str(out), "--tracking-uri", "", "--no-progress",
+            "--controller-from", str(src), "--set", f"warmstart.cache_dir='{cache_dir}'", "--set", "run.steps=2")
+    assert r.returncode == 0, r.stderr
+    s = json.loads((out / "summary.json").read_text())
+    reused = s["controller_state"]["reused"]
+    assert reused["events"] == n and reused["trace"] == str(src / "traces" / "decisions.dsjson")
+    assert f"started from {src / 'traces' / 'decisions.dsjson'} ({n} decisions replayed" in r.stdout
+    assert len((out / "traces" / "decisions.dsjson").read_text().splitlines()) == s["controller_state"]["events"]
+    bad = cli("train", "--preset", "smoke", "--controller-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "c"))
+    assert bad.returncode == 2 and "controller.init_from" in bad.stderr and not (tmp_path / "c").exists()
+
+
 def documented_metrics() -> set[str]:
     """Metric names in docs/metrics.md tables; `a/b/x`, `…/y` expands to a/b/y."""
     import re
@@ -290,6 +316,7 @@ def _generic(name: str) -> str:
     name = re.sub(r"^choice/[^/]+/level_\d+/[a-z_]+@[a-z]+$", "choice/<family>/level_<L>/<key>", name)
     name = re.sub(r"^choice/[^/]+/level_\d+/", "choice/<family>/level_<L>/", name)
     name = re.sub(r"^eval/[a-z_/]+/level_\d+$", "eval/<family>/level_<L>", name)
+    name = re.sub(r"^quick/[a-z_/]+/level_\d+$", "quick/<family>/level_<L>", name)
     return re.sub(r"^eval/[a-z_/]+/all$", "eval/<family>/all", name)
 
 

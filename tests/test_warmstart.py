@@ -115,3 +115,64 @@ def test_cache_key_follows_what_the_environment_demonstrates_not_only_its_words(
     out = run([sys.executable, "-c", code], timeout=300, env=child_env(PYTHONHASHSEED=other_seed))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == key
+
+
+def test_the_warm_start_trains_on_until_its_check_passes(tmp_path, monkeypatch):
+    """warmstart.target: below it after warmstart.steps, training goes on in cycles of steps // 2 (each on the
+    next demonstrations of the same stream) until the check passes; the check is in the policy's info and the
+    cache, and a cached warm start is not checked again."""
+    from rail import policy_setup as ps
+    from rail.config import build_config
+
+    cfg = build_config("smoke", sets=[{"warmstart": {"target": 0.5, "max_steps": 60, "cache_dir": str(tmp_path)},
+                                       "env": {"families": ["lookup"]}}])
+    seen = iter([0.1, 0.3, 0.55])
+    calls = []
+    monkeypatch.setattr(ps, "warm_start_success", lambda model, r, envs, c: calls.append(1) or next(seen))
+    envs = {"lookup": make_env("lookup", 0)}
+    updates = []
+    model, tok, info = ps.make_policy(cfg, envs, progress=lambda i, loss: updates.append(i))
+    assert info["warmstart_check"] == {"updates": 40, "success": 0.55, "target": 0.5, "met": True}
+    assert updates == list(range(40)) and len(calls) == 3  # 20, then two cycles of 10
+    _, _, again = ps.make_policy(cfg, envs)
+    assert again["warmstart"].startswith("cached") and again["warmstart_check"]["updates"] == 40 and len(calls) == 3
+
+
+def test_a_warm_start_that_misses_its_target_stops_the_run(tmp_path, monkeypatch):
+    """Below warmstart.target at warmstart.max_steps: a RunError naming the success, the target and the fixes,
+    remembered in the cache so another run of the same config stops at once, without training again."""
+    from rail import policy_setup as ps
+    from rail.config import build_config
+    from rail.rundir import RunError
+
+    cfg = build_config("smoke", sets=[{"warmstart": {"target": 0.9, "max_steps": 30, "cache_dir": str(tmp_path)},
+                                       "env": {"families": ["lookup"]}}])
+    monkeypatch.setattr(ps, "warm_start_success", lambda model, r, envs, c: 0.2)
+    envs = {"lookup": make_env("lookup", 0)}
+    with pytest.raises(RunError, match=r"reached 0\.200 after 30 updates, below warmstart\.target = 0\.9") as e:
+        ps.make_policy(cfg, envs)
+    assert "warmstart.max_steps" in str(e.value) and "run.seed" in str(e.value)
+    monkeypatch.setattr(ps, "warm_start", lambda *a, **k: pytest.fail("trained again"))
+    with pytest.raises(RunError, match="reached 0.200"):
+        ps.make_policy(cfg, envs)
+
+
+def test_the_warm_start_check_measures_held_out_success(monkeypatch):
+    """The check itself (no stand-in): warmstart.check_tasks held-out tasks of each family and warm-start level,
+    sampled as evaluation samples; an untrained model, which never answers, scores 0."""
+    from policy.engine import TransformersEngine
+    from rail import policy_setup as ps
+    from rail.config import build_config
+
+    cfg = build_config("smoke", sets=[{"warmstart": {"check_tasks": 3, "levels": [1, 2], "enabled": False},
+                                       "env": {"families": ["lookup", "kin"]}}])
+    envs = {f: make_env(f, 0) for f in ("lookup", "kin")}
+    model, tok, _ = ps.make_policy(cfg, envs)
+    asked = []
+    real = TransformersEngine.generate
+    monkeypatch.setattr(TransformersEngine, "generate",
+                        lambda self, reqs, params, seed: asked.append((reqs, params)) or real(self, reqs, params, seed))
+    assert ps.warm_start_success(model, ChatRenderer(tok), envs, cfg) == 0.0
+    (reqs, params), = asked
+    held_out = [t.id for f in ("lookup", "kin") for lv in (1, 2) for t in envs[f].eval_tasks(lv, 3)]
+    assert sorted(r.task.id for r in reqs) == sorted(held_out) and params.temperature == cfg.eval.temperature

@@ -3,7 +3,8 @@
 
 An ablation file (``experiments/ablations/*.toml``, docs/ablation.md) holds:
 
-- ``[ablation]``: ``name``, ``description``, ``seeds`` (a count, or a list of seeds);
+- ``[ablation]``: ``name``, ``description``, ``seeds`` (a count, or a list of seeds), ``world_per_seed`` (true:
+  every seed in a world of its own, ``env.seed`` = the run seed; default false: every seed in ``env.seed``'s);
 - ``[base]``: config overrides shared by every arm, in the ``[section]`` form of ``rail train --config``;
 - ``[preset.<P>]``: more shared overrides, applied only with ``--preset P`` (run length and evaluation
   sizes), and optionally ``seeds`` for that preset;
@@ -15,7 +16,7 @@ An ablation file (``experiments/ablations/*.toml``, docs/ablation.md) holds:
 
 A job's config is: the training preset < ``[base]`` < ``[preset.<P>]`` < ``--set`` < ``[arms.<arm>]`` <
 what ``rail ablate`` sets itself (``run.name``, ``run.out``, ``run.seed``, ``run.threads``,
-``tracking.parent_run_id``). Each job runs as ``python -m rail.cli train --config <job>.toml --no-progress``
+``tracking.parent_run_id``, and ``env.seed`` with ``world_per_seed``). Each job runs as ``python -m rail.cli train --config <job>.toml --no-progress``
 in a worker process (``--backend process``) or in a Ray task (``--backend ray``, rail/lab/ablate_ray.py); a killed
 job is resumed with ``rail train --resume``; a finished one is skipped.
 
@@ -45,7 +46,7 @@ from rail.config import Config, ConfigError, build_config, merge, read_json, rea
 from rail.cores import usable_cores
 
 TOP_LEVEL = ("ablation", "base", "preset", "arms", "resources")
-ABLATION_KEYS = ("name", "description", "seeds")
+ABLATION_KEYS = ("name", "description", "seeds", "world_per_seed")
 ARM_SECTIONS = ("controller", "learner")
 #: Fields ``rail ablate`` sets per job; an ablation file or ``--set`` may not.
 MANAGED = ("run.name", "run.out", "run.seed", "run.threads", "tracking.parent_run_id")
@@ -66,6 +67,7 @@ class Ablation:
     arm_docs: dict[str, str] = field(default_factory=dict)
     text: str = ""
     resources: dict[str, float] = field(default_factory=dict)  # [resources]: per-job Ray resources
+    world_per_seed: bool = False  # every seed in a world of its own: env.seed = run.seed
 
     def seeds_for(self, preset: str, count: int | None = None) -> list[int]:
         if count is not None:
@@ -118,6 +120,9 @@ def load_ablation(path: str | Path) -> Ablation:
     if not isinstance(description, str):
         raise ConfigError(f"{p}: ablation.description must be a string")
     seeds = _seeds(head.get("seeds", 1), f"{p}: ablation.seeds")
+    world_per_seed = head.get("world_per_seed", False)
+    if not isinstance(world_per_seed, bool):
+        raise ConfigError(f"{p}: ablation.world_per_seed = {world_per_seed!r}: true or false")
     base = raw.get("base", {})
     if not isinstance(base, dict):
         raise ConfigError(f"{p}: [base] must be a table of [base.<section>] tables")
@@ -166,7 +171,12 @@ def load_ablation(path: str | Path) -> Ablation:
     from rail.lab.ablate_ray import parse_resources  # (imports no ray)
 
     resources = parse_resources(raw.get("resources", {}), str(p))
-    ab = Ablation(p, name, description, seeds, base, presets, arms, docs, text, resources)
+    ab = Ablation(p, name, description, seeds, base, presets, arms, docs, text, resources, world_per_seed)
+    if world_per_seed:  # the seed decides the world: nothing else may
+        for where, table in (("[base]", base), *((f"[preset.{k}]", v["overrides"]) for k, v in presets.items())):
+            if isinstance(table.get("env"), dict) and "seed" in table["env"]:
+                raise ConfigError(f"{p} {where}: env.seed is set by rail ablate with ablation.world_per_seed = true "
+                                  "(every seed in a world of its own); remove it, or set world_per_seed = false")
     for pname in sorted({"default", *presets}):  # a typo anywhere fails now, not after an hour
         for arm in arms:
             arm_config(ab, arm, pname, 0, Path("."))
@@ -189,11 +199,16 @@ def arm_config(ab: Ablation, arm: str, preset: str, seed: int, out: Path, sets: 
     _merge(cfg, ab.presets.get(preset, {}).get("overrides", {}), f"{ab.path} [preset.{preset}]")
     for s in sets:
         _no_managed(s, "--set")
+        if ab.world_per_seed and isinstance(s.get("env"), dict) and "seed" in s["env"]:
+            raise ConfigError(f"--set env.seed: {ab.path} sets ablation.world_per_seed = true, so every seed runs in "
+                              "a world of its own (env.seed = the run seed); drop the flag")
         _merge(cfg, s, "--set")
     _merge(cfg, ab.arms[arm], f"{ab.path} [arms.{arm}]")
     managed: dict = {"run": {"name": f"{ab.name}-{arm}-seed{seed}", "out": str(out / arm / f"seed{seed}"),
                              "seed": seed},
                      "tracking": {"parent_run_id": parent_run_id}}
+    if ab.world_per_seed:
+        managed["env"] = {"seed": seed}
     if tracking_uri is not None:
         managed["tracking"]["uri"] = tracking_uri
     merge(cfg, managed, "rail ablate")
@@ -212,6 +227,7 @@ def shared_view(cfg: Config) -> dict:
     for k in ("name", "out", "seed", "threads"):
         d["run"].pop(k)
     d["tracking"].pop("parent_run_id")
+    d["env"].pop("seed")  # one world for every seed, or each seed its own (ablation.world_per_seed): never per arm
     return d
 
 

@@ -74,9 +74,14 @@ def _seed_run(run_dir: Path, summary: dict) -> dict:
     ev = summary["eval"]
     easy, beyond = ev["easy_levels"], ev["beyond_levels"]
     hist = sorted(ev["history"], key=lambda h: h["step"])
-    curve = {"step": [h["step"] for h in hist], "budget_spent": [float(h["budget_spent"]) for h in hist],
-             "easy": [_level_mean(h["success"], easy) for h in hist],
-             "beyond": [_level_mean(h["success"], beyond) for h in hist]}
+
+    def as_curve(points: list[dict]) -> dict:
+        return {"step": [h["step"] for h in points], "budget_spent": [float(h["budget_spent"]) for h in points],
+                "easy": [_level_mean(h["success"], easy) for h in points],
+                "beyond": [_level_mean(h["success"], beyond) for h in points]}
+    curve = as_curve(hist)
+    # the finest curve: the quick evaluations (eval.quick_every) between the full ones, when the run made them
+    quick = as_curve(sorted(hist + ev["quick"], key=lambda h: h["step"])) if ev.get("quick") else None
     steps = _read_metrics(run_dir / "metrics.jsonl")
     x, y = np.array(curve["budget_spent"]), np.array(curve["beyond"])
     total = x[-1] if len(x) else 0.0
@@ -110,7 +115,7 @@ def _seed_run(run_dir: Path, summary: dict) -> dict:
         "easy_levels": easy, "beyond_levels": beyond,
         "final_easy": ev["easy_final"], "final_beyond": ev["beyond_final"], "final_beyond_cells": cells,
         "initial_easy": ev["easy_initial"], "initial_beyond": ev["beyond_initial"],
-        "curve": curve, "auc_beyond": auc,
+        "curve": curve, "quick_curve": quick, "auc_beyond": auc,
         "zero_variance_share": float(np.mean(zv)) if zv else None,
         "acceptance": iv.get("acceptance_rate"), "intervention_budget_share": iv.get("budget_share"),
         "wall_seconds": summary.get("wall_seconds"), "budget_spent": summary["budget"]["spent"]["total"],
@@ -277,14 +282,16 @@ def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
                                                     "shift_final", "shift_auc")}
                          for sd, r in seed_runs.items()},
             "curve": _aggregate_curve(seed_runs),
+            "quick_curve": (_aggregate_curve({sd: dict(r, curve=r["quick_curve"]) for sd, r in seed_runs.items()})
+                            if all(r["quick_curve"] for r in rs) else None),
             "_choices_series": ch,
             "_cells_series": cells,
         }
     target = arms.get("none", {}).get("final_easy")
     target_beyond = arms.get("none", {}).get("final_beyond")
     for a in arms.values():
-        a["budget_to_match_none"] = _budget_to_reach(a["curve"], "easy", target)
-        a["budget_to_match_none_beyond"] = _budget_to_reach(a["curve"], "beyond", target_beyond)
+        a["budget_to_match_none"] = _budget_to_reach(_finest(a), "easy", target)
+        a["budget_to_match_none_beyond"] = _budget_to_reach(_finest(a), "beyond", target_beyond)
     failed = []
     for key, e in sorted((state.get("jobs") or {}).items()):
         if e.get("status") in ("failed", "interrupted"):
@@ -484,6 +491,52 @@ def after_shift(rep: dict, reference: str = "ladder") -> dict | None:
     return out
 
 
+# ---------------------------------------------------------------------------- against the best fixed rule
+def versus_best_fixed(rep: dict) -> dict | None:
+    """The learned arm against the best fixed rule in hindsight: of the arms whose controller is a fixed one (every
+    fixed heuristic, every one- and two-rung ladder, a per-cell rule), the one with the highest mean final success
+    beyond the boundary; paired over seeds on final and AUC success beyond the boundary and final easy success,
+    and the budget at which each arm's seed-mean beyond curve first reaches its final beyond success
+    (``budget_to_match_best_fixed_beyond``). None without a learned and a fixed arm."""
+    arms = rep["arms"]
+    learned = rep.get("verdict", {}).get("learned", "rail")
+    fixed = [a for a in rep["arms_order"] if arms[a]["controller"] in FIXED and arms[a]["final_beyond"] is not None]
+    if learned not in arms or arms[learned]["final_beyond"] is None or not fixed:
+        return None
+    best = max(fixed, key=lambda a: (arms[a]["final_beyond"], arms[a]["final_easy"] or 0.0))
+    B, L = arms[best], arms[learned]
+    target = B["final_beyond"]
+    for a in arms.values():
+        a["budget_to_match_best_fixed_beyond"] = _budget_to_reach(_finest(a), "beyond", target)
+    d = _paired_fields(L, B, ("final_beyond", "auc_beyond", "final_easy"))
+    ci = d["final_beyond_diff_ci"]
+    n = len(d["paired_seeds"])
+    how = (f"{d['final_beyond_diff']:+.3f}" + (f", 95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else ", no interval")
+           + f" over {n} paired seed{'s' if n != 1 else ''}")
+    if ci and ci[0] > 0:
+        head = f"`{learned}` ends above it beyond the boundary ({how})."
+    elif ci and ci[1] < 0:
+        head = f"`{learned}` ends below it beyond the boundary ({how})."
+    else:
+        head = f"`{learned}` is not told apart from it beyond the boundary ({how})."
+    spent = L["budget_to_match_best_fixed_beyond"]
+    total = L["budget_spent"]
+    reach = (f"`{learned}` first reached `{best}`'s final beyond success ({target:.3f}) after {spent:.0f} budget units"
+             + (f" ({spent / total:.0%} of its budget)." if total else ".") if spent is not None else
+             f"`{learned}` never reached `{best}`'s final beyond success ({target:.3f}) at an evaluation.")
+    return {"best": best, "learned": learned, "best_final_beyond": target, **d,
+            "budget_to_match": spent, "budget_share_to_match": spent / total if spent is not None and total else None,
+            "text": f"The best fixed rule in hindsight is `{best}` ({B['description'] or B['controller']}; final "
+                    f"success beyond the boundary {target:.3f}). {head} {reach}"}
+
+
+def _finest(arm: dict) -> dict:
+    """The arm's finest seed-mean curve of success beyond the boundary: the frequent quick evaluations when its
+    runs made them (``eval.quick_every``), else the full ones."""
+    q = arm.get("quick_curve")
+    return q if q and q.get("step") else arm["curve"]
+
+
 # ---------------------------------------------------------------------------- the verdict
 def compare(rep: dict, learned: str = "rail") -> dict:
     """Is the learned arm above every fixed heuristic beyond the boundary at equal budget?"""
@@ -580,6 +633,7 @@ def write_report(root: Path, parent=None, figures: bool = True) -> dict:
         rep["verdict"]["text"] += " Left out, damaged: " + "; ".join(rep["damaged"])
     rep["versus_none"] = versus_none(rep)
     rep["versus_learned"] = versus_learned(rep)
+    rep["versus_best_fixed"] = versus_best_fixed(rep)
     rep["after_shift"] = after_shift(rep)
     rep["figures"] = draw_figures(rep, root) if figures else []
     public = json.loads(json.dumps(rep, default=float))

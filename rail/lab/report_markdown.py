@@ -40,6 +40,16 @@ def format_markdown(rep: dict) -> str:
             L.append(f"| `{f}` | {_f(d['final_beyond_diff'])} | {ci_text(d['final_beyond_diff_ci'])} | "
                      f"{_f(d['auc_beyond_diff'])} | {ci_text(d['auc_beyond_diff_ci'])} | {len(d['paired_seeds'])} |")
         L.append("")
+    bf = rep.get("versus_best_fixed")
+    if bf:
+        d = bf
+        L += ["## Against the best fixed rule in hindsight", "", bf["text"], "",
+              f"Paired differences `{bf['learned']}` − `{bf['best']}` over seeds (95% t-interval with ≥ 2 seeds):", "",
+              "| Δ final beyond | 95% CI | Δ AUC beyond | 95% CI | Δ final easy | 95% CI | seeds |",
+              "|---|---|---|---|---|---|---|",
+              f"| {_f(d['final_beyond_diff'])} | {ci_text(d['final_beyond_diff_ci'])} | {_f(d['auc_beyond_diff'])} | "
+              f"{ci_text(d['auc_beyond_diff_ci'])} | {_f(d['final_easy_diff'])} | {ci_text(d['final_easy_diff_ci'])} | "
+              f"{len(d['paired_seeds'])} |", ""]
     vn = rep.get("versus_none")
     if vn:
         L += ["## Does any arm end higher than plain GRPO (`none`) beyond the boundary?", "", vn["text"], ""]
