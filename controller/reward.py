@@ -16,6 +16,12 @@ Defined here once:
   level). A unit of learning signal moves success on a kind of task in proportion to what is left to learn
   there: signal on a cell the policy already solves 90 % of the time buys little, signal on a cell it cannot
   solve buys the skill the run is missing.
+* With ``absorbed`` (``SessionSettings.reward = "learning"``): the reward above times
+  ``min(1, max(0, absorbed) / scale)``: ``absorbed`` is what the unguided policy takes from the intervention's
+  trained rollouts (the trainer measures it; rail: the first-order change of the likelihood of reference
+  solutions of the group's kind of task that the update makes from them, ``rail.learning``), ``scale`` the typical
+  positive absorption so far. The signal an intervention added counts only as far as the policy learns from it:
+  a rescue whose help gives the answer away, or whose tokens the learner barely moves, earns little.
 * Doing nothing costs nothing and earns ``opportunity``: the signal per ``unit`` of budget that fresh base
   groups earned this step, each weighted by its own headroom when headrooms are given — what the saved budget
   buys instead. An intervention pays only when it beats it.
@@ -54,6 +60,17 @@ def reward(before: Sequence[float], accepted: Sequence[float], cost: float, unit
     if cost <= 0:
         raise ValueError(f"an intervention's cost must be > 0, got {cost}")
     return min(1.0, _check_headroom(headroom) * improvement(before, accepted, compose) * unit / cost)
+
+
+def learning_reward(before: Sequence[float], accepted: Sequence[float], cost: float, unit: float, absorbed: float,
+                    scale: float, compose: str = "mix", headroom: float = 1.0) -> float:
+    """:func:`reward` counted as far as the policy learns from the intervention: times
+    ``min(1, max(0, absorbed) / scale)`` (``scale`` > 0, the typical positive absorption), in [0, 1]."""
+    if not math.isfinite(absorbed):
+        raise ValueError(f"an absorption must be a finite number, got {absorbed}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"the absorption scale must be > 0, got {scale}")
+    return reward(before, accepted, cost, unit, compose, headroom) * min(1.0, max(0.0, absorbed) / scale)
 
 
 def opportunity(group_rewards: Sequence[Sequence[float]], group_cost: float, unit: float,

@@ -54,6 +54,8 @@ from controller.core import NONE, Context, LearnedController, Settings, write_at
 from controller.heuristic import actionable, asked as _asked, fits, rung_plan
 from controller.records import Decision, Group, Intervention, Rollout
 
+REWARDS = ("signal", "learning")
+
 
 @dataclass
 class SessionSettings:
@@ -69,6 +71,7 @@ class SessionSettings:
     budget_unit: str = "rollouts"  # or "tokens": costs are tokens; a rollout counts its mean base tokens
     compose: str = "mix"  # intervened rollouts join their group ("mix") or replace its base rollouts ("replace")
     pass_rate_weight: float = 0.1  # weight of a step's own base pass rate in the family/level's EMA
+    reward: str = "signal"  # or "learning": the signal counted as far as the policy learns from it (absorbed)
 
     def __post_init__(self):
         if isinstance(self.bandit, dict):
@@ -82,6 +85,8 @@ class SessionSettings:
             raise ValueError("ladder_size >= 1, group_size >= 1 and unit > 0 are required")
         if not 0.0 < self.pass_rate_weight <= 1.0:
             raise ValueError(f"pass_rate_weight must be in (0, 1], got {self.pass_rate_weight}")
+        if self.reward not in REWARDS:
+            raise ValueError(f"reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
 
 
 def branch_source(rollouts: Sequence[Rollout]) -> int | None:
@@ -121,6 +126,7 @@ class Session:
         self._by_id: dict[str, Decision] = {}
         self._outcomes: dict[str, tuple[list[Rollout], float]] = {}
         self.reused: dict | None = None  # what reuse() started from
+        self.absorbed_scale: float | None = None  # the typical positive absorption (reward = "learning")
 
     # ------------------------------------------------------------------ the step
     def begin_step(self, step: int, total_steps: int, step_budget: float) -> None:
@@ -185,14 +191,17 @@ class Session:
         self._ran[d.group].append(decision_id)
         self.seconds += time.perf_counter() - t0
 
-    def end_step(self, accepted: Mapping[str, Sequence[bool]] | None = None) -> None:
+    def end_step(self, accepted: Mapping[str, Sequence[bool]] | None = None,
+                 absorbed: Mapping[str, float] | None = None) -> None:
         """Reward every decision of the step and learn from it; update the pass rates.
 
         ``accepted`` (per decision id, per rollout in the order reported) overrides the rollouts' own ``accepted``
-        fields, for a trainer whose filters run after the rounds (rail's shift filter).
+        fields, for a trainer whose filters run after the rounds (rail's shift filter). ``absorbed`` (per decision
+        id; ``reward = "learning"``) is what the unguided policy takes from its trained rollouts
+        (``controller.reward.learning_reward``); a decision without one is rewarded by its signal.
         """
         t0 = time.perf_counter()
-        accepted = accepted or {}
+        accepted, absorbed = accepted or {}, absorbed or {}
         s = self.s
         base = [g for g in self._groups.values() if g.rollouts]
         per_rollout = 1.0
@@ -225,9 +234,18 @@ class Session:
             for e in earlier:
                 before += [x.reward for x in kept(e)]
             h = self._headroom(g)
-            r = R.reward(before, acc_rewards, max(cost, 1), unit, s.compose, headroom=h)
-            self.ctl.feedback(d.id, r, {"cost": cost, "rollouts": len(rollouts), "accepted": len(acc_rewards),
-                                        "successes": sum(1 for x in keep if x.success), "headroom": round(h, 6)})
+            outcome = {"cost": cost, "rollouts": len(rollouts), "accepted": len(acc_rewards),
+                       "successes": sum(1 for x in keep if x.success), "headroom": round(h, 6)}
+            a = absorbed.get(d.id) if s.reward == "learning" else None
+            if a is not None:
+                if a > 0:  # the typical positive absorption: an EMA from the first one on
+                    self.absorbed_scale = a if self.absorbed_scale is None else 0.9 * self.absorbed_scale + 0.1 * a
+                scale = self.absorbed_scale if self.absorbed_scale is not None else 1.0
+                r = R.learning_reward(before, acc_rewards, max(cost, 1), unit, a, scale, s.compose, headroom=h)
+                outcome["absorbed"] = a
+            else:
+                r = R.reward(before, acc_rewards, max(cost, 1), unit, s.compose, headroom=h)
+            self.ctl.feedback(d.id, r, outcome)
         w = s.pass_rate_weight
         for g in base:  # drift made visible: the recent pass rate per family/level
             rate = base_pass(g)
@@ -325,7 +343,7 @@ class Session:
         if self._made:
             raise RuntimeError("state_dict: a step is in progress; save after end_step")
         return {"learned": self.ctl.state_dict(), "pass_rate": self.pass_rate, "seconds": self.seconds,
-                "reused": self.reused}
+                "reused": self.reused, "absorbed_scale": self.absorbed_scale}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state_dict()``; the trace is cut back to the events that state had learned."""
@@ -334,6 +352,7 @@ class Session:
             self.pass_rate = dict(state.get("pass_rate", {}))
             self.seconds = float(state.get("seconds", 0.0))
             self.reused = state.get("reused")
+            self.absorbed_scale = state.get("absorbed_scale")
 
     def save(self, path: str | os.PathLike) -> None:
         """The state and the settings, as one JSON file written atomically."""

@@ -301,6 +301,23 @@ class GRPOLearner:
         return logits / self.s.temperature if self.s.temperature > 0 else logits
 
     # ------------------------------------------------------------------ update
+    def minibatch_loss(self, trajs: list[Trajectory], advs: list[float]):
+        """``(loss, stats, entropy (B, T), mask (B, T))``: the policy loss of one minibatch under the current weights
+        (:func:`policy.grpo.policy_loss`, with entropy shaping and the KL reference when set), rehearsal apart."""
+        s = self.s
+        ids, attn, mask, old, shape_mask, adv, off, isw = self._batch(trajs, advs)
+        logits = self._logits(self.model, ids, attn)  # (B, T, V)
+        logp = grpo.gather_logprobs(logits, ids[:, 1:])  # (B, T)
+        ent = grpo.token_entropy(logits.detach())  # (B, T)
+        if s.entropy_coef:
+            adv = grpo.entropy_shaped_advantages(adv, ent, shape_mask, mask, s.entropy_coef)
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref = grpo.gather_logprobs(self._logits(self.ref_model, ids, attn), ids[:, 1:])
+        loss, st = grpo.policy_loss(logp, old, adv, mask, self.loss, guided=off, ref_logp=ref, is_weight=isw)
+        return loss, st, ent, mask
+
     def update(self, batch: PreparedBatch, generator: torch.Generator) -> dict[str, float]:
         """``epochs`` passes of minibatch PPO-clip steps over the prepared trajectories."""
         s = self.s
@@ -315,18 +332,8 @@ class GRPOLearner:
             order = torch.randperm(n, generator=generator).tolist()
             for i in range(0, n, s.minibatch_size):
                 sel = order[i : i + s.minibatch_size]
-                ids, attn, mask, old, shape_mask, adv, off, isw = self._batch(
-                    [batch.trajectories[j] for j in sel], [batch.advantages[j] for j in sel])
-                logits = self._logits(self.model, ids, attn)  # (B, T, V)
-                logp = grpo.gather_logprobs(logits, ids[:, 1:])  # (B, T)
-                ent = grpo.token_entropy(logits.detach())  # (B, T)
-                if s.entropy_coef:
-                    adv = grpo.entropy_shaped_advantages(adv, ent, shape_mask, mask, s.entropy_coef)
-                ref = None
-                if self.ref_model is not None:
-                    with torch.no_grad():
-                        ref = grpo.gather_logprobs(self._logits(self.ref_model, ids, attn), ids[:, 1:])
-                loss, st = grpo.policy_loss(logp, old, adv, mask, self.loss, guided=off, ref_logp=ref, is_weight=isw)
+                loss, st, ent, mask = self.minibatch_loss([batch.trajectories[j] for j in sel],
+                                                          [batch.advantages[j] for j in sel])
                 if s.rehearsal > 0:  # PPO-ptx: keep the demonstrations' likelihood up beside the RL objective
                     nll = sft_loss(self.model, self.rehearsal_source(s.rehearsal_batch), self.pad_id)
                     loss = loss + s.rehearsal * nll

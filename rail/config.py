@@ -22,6 +22,7 @@ from typing import Any, get_type_hints
 
 from controller import SessionSettings, Settings
 from controller.core import MODES
+from controller.session import REWARDS
 from policy.settings import OLD_LOGPROBS, LearnerSettings
 from rail.settings import SETTING, defaults_from
 
@@ -158,6 +159,8 @@ class ControllerConfig:
     probe_rollouts: int = F(2, "actguide: rollouts per probe of the plan-length search.")
     max_probes: int = F(5, "actguide: most probes per group.")
     max_rounds: int = F(8, "Most decide -> run rounds per step. Each waits for the one before: fewer rounds make a step faster and rescue less (docs/benchmarks.md, 'A step's rollouts against one batch').")
+    reward: str = F(SETTING, "rail: what rewards an intervention: 'signal' (the learning signal it added to its group, per cost, weighted by headroom) or 'learning' (that signal counted as far as the policy learns from it: the first-order change of the likelihood of reference solutions of its cell, unguided, that the step's update makes from its trained rollouts; docs/controller.md).")
+    reference_tasks: int = F(8, "rail with controller.reward = 'learning': reference solutions per cell what the policy absorbs is measured on.")
     init_from: str = F("", "rail: start from the learned controller of an earlier run, a run directory (its traces/decisions.dsjson) or a trace file: the bandit replays that trace and goes live at once when its gate's estimate over the trace's last controller.window events says it beats the heuristic (empty: a fresh controller). `rail train --controller-from RUN`.")
     shadow: str = F("ladder", "rail: the heuristic it shadows ('ladder': its first legal rung; 'rti': the rubric hint).")
     mode: str = F(SETTING, "rail: the starting mode, 'shadow' (the heuristic acts until the bandit is promoted) or 'live'.")
@@ -243,6 +246,7 @@ CHOICES = {
     "controller.compose": ("auto", "mix", "replace"),
     "controller.shadow": ("ladder", "rti"),
     "controller.mode": MODES,
+    "controller.reward": REWARDS,
 }
 
 
@@ -452,7 +456,7 @@ def validate(cfg: Config) -> None:
     if cfg.eval.quick_every < 0:
         raise ConfigError(f"eval.quick_every = {cfg.eval.quick_every}: must be >= 0 (0: no quick evaluation)")
     for key in ("run.checkpoint_every", "eval.every", "eval.tasks_per_level", "learner.epochs", "warmstart.check_tasks",
-                "eval.quick_tasks",
+                "eval.quick_tasks", "controller.reference_tasks",
                 "learner.minibatch_size", "rollout.max_turns", "rollout.max_tokens_per_turn",
                 "rollout.batch_size", "warmstart.batch_size", "warmstart.steps", "model.hidden_size",
                 "model.layers", "model.heads", "model.kv_heads", "model.intermediate_size", "model.max_positions"):

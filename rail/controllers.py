@@ -89,7 +89,7 @@ class NoController:
         it buys the fill's fresh groups now, alongside the round (:class:`rail.rounds.Rounds`)."""
         return 0.0
 
-    def feedback(self, groups, outcomes, compose: str) -> None:
+    def feedback(self, groups, outcomes, compose: str, absorbed=None) -> None:
         """Called after the learner's filters ran (rollout statuses are set); learned controllers learn here."""
 
     def metrics(self) -> dict[str, float]:
@@ -337,7 +337,7 @@ class RailController(_Reserving):
         session = SessionSettings(
             bandit=self.settings, ladder=tuple(ladder), ladder_size=size, heuristic_escalates=escalates,
             group_size=config.budget.group_size, unit=float(min(c.how_many)), budget_unit=config.budget.unit,
-            compose=compose_of(config))
+            compose=compose_of(config), reward=c.reward)
         trace_dir = None if out is None else Path(out) / "traces"
         self.session = Session(session, seed=config.run.seed, trace_dir=trace_dir)
         self.ctl = self.session.ctl
@@ -382,16 +382,19 @@ class RailController(_Reserving):
             if eid is not None and o.ran:
                 self.session.ran(eid, [seam.rollout(t) for t in o.trajectories], o.cost)
 
-    def feedback(self, groups, outcomes, compose: str) -> None:
+    def feedback(self, groups, outcomes, compose: str, absorbed: Sequence[float | None] | None = None) -> None:
         """Rewards for this step's decisions, once the learner has said which rollouts it accepted (``compose``
-        is the session's, resolved from the same config)."""
+        is the session's, resolved from the same config); ``absorbed``, one per outcome, for a "learning" reward
+        (:class:`rail.learning.Absorption`)."""
         self._add(groups, None)  # fresh groups bought with what the rounds left: the opportunity, pass rates
-        accepted = {}
-        for o in outcomes:
+        accepted, took = {}, {}
+        for k, o in enumerate(outcomes):
             eid = self._event.get(id(o.decision))
             if eid is not None:
                 accepted[eid] = [Status(t.status).joined for t in o.trajectories]
-        self.session.end_step(accepted)
+                if absorbed is not None and absorbed[k] is not None:
+                    took[eid] = absorbed[k]
+        self.session.end_step(accepted, took)
         self._views, self._event = {}, {}
 
     def metrics(self) -> dict[str, float]:

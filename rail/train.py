@@ -43,6 +43,7 @@ from rail.config import Config, merge, read_json, validate
 from rail.controllers import CONTROLLERS, compose_of
 from rail.engines import close_engine, make_engine
 from rail.envs import ToolRunner, make_envs
+from rail.learning import Absorption
 from rail.evaluate import eval_metrics, evaluate, mean_over, overall, task_counts
 from rail.policy_setup import RehearsalSource, make_policy
 from rail.rounds import (Generation, Rounds, Start, Wait, derive_seed, drive_stream, intervention_metrics,
@@ -181,6 +182,8 @@ class Trainer:
         self.renderer = ChatRenderer(self.tokenizer)
         self.engine = make_engine(cfg, self.model, self.renderer, out)
         self.rehearsal = RehearsalSource(self.renderer, self.envs, cfg) if cfg.learner.rehearsal > 0 else None
+        learning = cfg.controller.name == "rail" and cfg.controller.reward == "learning"
+        self.absorption = Absorption(cfg, self.envs, self.renderer) if learning else None
         self.learner = GRPOLearner(self.model, learner_settings(cfg), total_steps=cfg.run.steps,
                                    pad_id=self.renderer.pad, rehearsal_source=self.rehearsal)
         if not resume:
@@ -358,7 +361,8 @@ class Trainer:
         compose = compose_of(cfg)
         batch = self.learner.prepare(all_trajs, compose=compose)
         t_fb = time.perf_counter()
-        self.controller.feedback(groups, outcomes, compose)
+        absorbed = self.absorption(self.learner, batch, groups, outcomes) if self.absorption is not None else None
+        self.controller.feedback(groups, outcomes, compose, absorbed)
         t_fb = time.perf_counter() - t_fb
         t_ctl += t_fb
         if self.rehearsal is not None:

@@ -613,3 +613,44 @@ def test_policy_loss_is_its_named_terms_composed_in_order():
     loss.backward()
     expected.backward()
     assert torch.allclose(logp.grad, lp.grad, atol=1e-6)
+
+
+def test_update_influence_is_the_first_order_change_of_the_references_likelihood():
+    """policy.influence: the influence of a set on the references, checked against the change a plain gradient step
+    of the learner's loss on that set actually makes (small learning rate: first order); a set with positive
+    advantage on the references themselves raises their likelihood; an empty set has none; weights untouched."""
+    from policy.influence import likelihood_gradient, update_influence
+    from policy.learner import GRPOLearner, LearnerSettings, sft_loss
+    from policy.model import build_tiny_model
+    from policy.records import Origin, Trajectory
+
+    model = build_tiny_model(20, hidden_size=16, layers=1, heads=1, kv_heads=1, intermediate_size=16,
+                             max_positions=32, seed=0, pad_token_id=0, eos_token_id=1)
+    learner = GRPOLearner(model, LearnerSettings(lr=1e-3, rehearsal=0.0, schedule="constant"), total_steps=10,
+                          pad_id=0)
+
+    def traj(tokens):
+        with torch.no_grad():
+            t = Trajectory("t", "f", 1, 0, [2, 3], [2, 3], ids=list(tokens), origin=[int(Origin.POLICY)] * len(tokens),
+                           logprobs=[0.0] * len(tokens), turn=[0] * len(tokens))
+            lp = torch.log_softmax(model(torch.tensor([[2, 3, *tokens]])).logits[0, 1:-1].float(), -1)
+            t.logprobs = [float(lp[i, tok]) for i, tok in enumerate(tokens)]  # on-policy: ratio 1
+        return t
+    ref = [traj([4, 5, 6]), traj([7, 8])]
+    before = [p.detach().clone() for p in model.parameters()]
+    up, down, empty = update_influence(learner, ref, [[(ref[0], 1.0), (ref[1], 1.0)], [(traj([9, 10]), -1.0)], []],
+                                       total_tokens=5)
+    assert up > 0 and empty is None
+    assert all(torch.equal(p, q) and p.grad is None for p, q in zip(model.parameters(), before))
+    # against a real plain gradient step on the second set's loss, weighted by its share of the 5 tokens
+    g_ref = likelihood_gradient(model, ref, 0)
+    loss, _, _, mask = learner.minibatch_loss([traj([9, 10])], [-1.0])
+    loss = loss * float(mask.sum()) / 5
+    loss.backward()
+    lik0 = -float(sft_loss(model, ref, 0).detach())
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 1e-3 * p.grad
+    lik1 = -float(sft_loss(model, ref, 0).detach())
+    assert lik1 - lik0 == pytest.approx(down, rel=0.05, abs=1e-9)
+    assert g_ref.shape == (sum(p.numel() for p in model.parameters()),)

@@ -303,3 +303,27 @@ def test_the_documented_loop_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     events = T.read(tmp_path / "toy" / "traces" / "decisions.dsjson")
     assert len(events) >= 20 * 8 and Session.load(tmp_path / "toy" / "controller.json").ctl.learned == len(events)
+
+
+def test_a_learning_reward_counts_the_signal_as_far_as_the_policy_learns(tmp_path):
+    """reward = "learning": a decision's reward is its signal reward times min(1, max(0, absorbed) / scale), the
+    scale an EMA of the positive absorptions from the first on; without an absorption, the signal reward."""
+    signal = R.reward([0.0] * 4, [1.0, 0.0], cost=2, unit=2.0)
+    assert R.learning_reward([0.0] * 4, [1.0, 0.0], 2, 2.0, absorbed=0.01, scale=0.04) == pytest.approx(signal / 4)
+    assert R.learning_reward([0.0] * 4, [1.0, 0.0], 2, 2.0, absorbed=0.08, scale=0.04) == pytest.approx(signal)
+    assert R.learning_reward([0.0] * 4, [1.0, 0.0], 2, 2.0, absorbed=-0.3, scale=0.04) == 0.0
+    with pytest.raises(ValueError, match="finite"):
+        R.learning_reward([0.0], [1.0], 2, 2.0, absorbed=float("nan"), scale=0.04)
+    s = session(tmp_path, bandit=Settings(heuristic_epsilon=1e-9), reward="learning")
+    s.begin_step(0, 10, 100)
+    s.add([Group(g, "calc", 3, [fail()] * 4, [o for o in menu() if o.size == 2]) for g in "abc"])
+    ds = s.decide(100)
+    assert all(d.intervenes for d in ds)
+    for d in ds:
+        s.ran(d.id, [Rollout(1.0, True), Rollout(0.0, False)], 2)
+    s.end_step(absorbed={ds[0].id: 0.02, ds[1].id: 0.0})  # the third has none: rewarded by its signal
+    evs = {e["EventId"]: e for e in events(tmp_path)}
+    assert -evs[ds[0].id]["_label_cost"] == pytest.approx(signal) and evs[ds[0].id]["_outcome"]["absorbed"] == 0.02
+    assert evs[ds[1].id]["_label_cost"] == 0.0 and evs[ds[1].id]["_outcome"]["absorbed"] == 0.0
+    assert -evs[ds[2].id]["_label_cost"] == pytest.approx(signal) and "absorbed" not in evs[ds[2].id]["_outcome"]
+    assert s.absorbed_scale == 0.02 and s.state_dict()["absorbed_scale"] == 0.02

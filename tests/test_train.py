@@ -292,6 +292,28 @@ def test_a_run_starts_from_an_earlier_runs_controller(tmp_path, cache_dir):
     assert bad.returncode == 2 and "controller.init_from" in bad.stderr and not (tmp_path / "c").exists()
 
 
+def test_the_learning_reward_measures_what_the_policy_absorbs(tmp_path, cache_dir, monkeypatch):
+    """controller.reward = 'learning': every intervention that ran gets an absorption (0 without a trained rollout)
+    in its trace outcome, and one that absorbed nothing earns nothing. (The smoke model solves nothing, so a
+    verifier that passes every other rollout it scores, and no mask on rollouts whose tool calls all failed, give
+    the groups something to train on.)"""
+    import itertools
+
+    import rail.rounds
+
+    n = itertools.count()
+    monkeypatch.setattr(rail.rounds, "safe_reward", lambda env, task, steps: (float(next(n) % 2), None))
+    cfg = smoke(tmp_path, cache_dir, "run.steps=3", "controller.reward='learning'", "controller.heuristic_epsilon=0.5",
+                "learner.mask_all_tools_failed=false")
+    trainer, out = start_run(cfg, show_progress=False)
+    trainer.run()
+    events = [json.loads(ln) for ln in (out / "traces" / "decisions.dsjson").read_text().splitlines()]
+    ran = [e for e in events if "cost" in e["_outcome"]]
+    assert ran and all("absorbed" in e["_outcome"] for e in ran)
+    assert any(e["_outcome"]["absorbed"] != 0.0 for e in ran)
+    assert all(e["_label_cost"] == 0.0 for e in ran if e["_outcome"]["absorbed"] <= 0)
+
+
 def documented_metrics() -> set[str]:
     """Metric names in docs/metrics.md tables; `a/b/x`, `…/y` expands to a/b/y."""
     import re
