@@ -194,7 +194,10 @@ class RayBackend:
 
         kw = {"include_dashboard": False, "log_to_driver": False}
         if not self.address:
-            ray.init(address="local", num_cpus=usable_cores(), **kw)  # "local": never join a cluster found on this host
+            # "local": never join a cluster found on this host. Ray starts its workers at niceness 15 by default,
+            # and a job's training process inherits it: beside any other work on the machine it would all but
+            # stop. On the instance rail starts itself, the jobs run at the driver's priority.
+            ray.init(address="local", num_cpus=usable_cores(), _system_config={"worker_niceness": 0}, **kw)
             return
         host, _, port = self.address.rpartition(":")
         if host and port.isdigit():  # Ray retries an address where nothing listens for minutes: look first
