@@ -77,12 +77,13 @@ class RolloutState:
         self.runner = begin(task, prefix_steps) if begin is not None else req.env
         user = task.prompt if g.plan is None else f"{task.prompt} {g.plan}"
         tools = getattr(self.runner, "tools", None)
-        train_prompt = renderer.prompt(req.system, task.prompt, tools)
+        describe = bool(getattr(self.runner, "describes_tools", False))
+        train_prompt = renderer.prompt(req.system, task.prompt, tools, describe)
         hint_now = g.hint is not None and req.prefix_turns == 0
         if hint_now:
-            prompt, _ = renderer.prompt_with_hint(req.system, user, g.hint, tools)
+            prompt, _ = renderer.prompt_with_hint(req.system, user, g.hint, tools, describe)
         else:
-            prompt = renderer.prompt(req.system, user, tools)
+            prompt = renderer.prompt(req.system, user, tools, describe)
         self.traj = Trajectory(
             task_id=task.id, family=task.family, level=task.level, group=req.group,
             prompt_ids=prompt, train_prompt_ids=train_prompt, intervention=req.intervention,

@@ -28,12 +28,12 @@ def _flat(grads, params) -> torch.Tensor:
     return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float() for g, p in zip(grads, params)])
 
 
-def likelihood_gradient(model: torch.nn.Module, trajs: list[Trajectory], pad_id: int) -> torch.Tensor:
+def likelihood_gradient(model: torch.nn.Module, trajs: list[Trajectory], pad_id: int, chunk: int = 0) -> torch.Tensor:
     """The gradient of the mean log-likelihood of ``trajs``' trained tokens (training views: guidance stripped) with
     respect to the model's trainable parameters, flattened: (P,). Weights and ``.grad`` are left as they were."""
     params = _params(model)
     with torch.enable_grad():
-        grads = torch.autograd.grad(-sft_loss(model, trajs, pad_id), params, allow_unused=True)
+        grads = torch.autograd.grad(-sft_loss(model, trajs, pad_id, chunk), params, allow_unused=True)
     return _flat(grads, params)  # (P,)
 
 
@@ -49,7 +49,7 @@ def update_influence(learner, reference: list[Trajectory], sets: list[list[tuple
     was = model.training
     model.train()  # as the update runs it
     try:
-        ref = likelihood_gradient(model, reference, learner.pad_id)  # (P,)
+        ref = likelihood_gradient(model, reference, learner.pad_id, learner.s.logprob_chunk)  # (P,)
         out: list[float | None] = []
         for s in sets:
             if not s:

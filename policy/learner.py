@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from policy import grpo
-from policy.packing import forward_logits
+from policy.packing import forward_logits, token_logprobs
 from policy.records import Origin, Status, Trajectory, zero_variance
 from policy.settings import COMPOSITIONS, OLD_LOGPROBS, LearnerSettings  # noqa: F401 - re-exported
 
@@ -64,18 +64,23 @@ def is_weight_view(trajs: list[Trajectory]) -> torch.Tensor:
     return out
 
 
-def sft_loss(model, trajs: list[Trajectory], pad_id: int) -> torch.Tensor:
+def sft_loss(model, trajs: list[Trajectory], pad_id: int, chunk: int = 0) -> torch.Tensor:
     """Mean negative log-likelihood of the trained tokens of ``trajs`` (their training views): the warm start's
-    loss, and rehearsal's."""
+    loss, and rehearsal's. ``chunk``: the vocabulary projection that many positions at a time
+    (:func:`policy.packing.token_logprobs`)."""
     ids, attn, mask, *_ = pad_training_views(trajs, pad_id, next(model.parameters()).device)
-    logits = forward_logits(model, ids, attn, pad_id)[:, :-1].float()  # (B, T, V), packed
-    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T)
+    if chunk:
+        logp, _ = token_logprobs(model, ids, attn, pad_id, 0.0, chunk)  # (B, T)
+    else:
+        logits = forward_logits(model, ids, attn, pad_id)[:, :-1].float()  # (B, T, V), packed
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T)
     m = mask[:, 1:]
     return -(logp * m).sum() / m.sum().clamp(min=1)
 
 
 @torch.no_grad()
-def shift_measures(model, trajs: list[Trajectory], pad_id: int, temperature: float, batch_size: int) -> list[float]:
+def shift_measures(model, trajs: list[Trajectory], pad_id: int, temperature: float, batch_size: int,
+                   chunk: int = 0) -> list[float]:
     """The shift measure (:func:`policy.grpo.shift_measure`) of each trajectory under ``model``'s current weights,
     logits divided by the rollout ``temperature`` as the behaviour's were: what the shift filter compares with
     ``shift_threshold``. The learner's filter and another trainer's adapter (``rail.integrations.trl``) both call it."""
@@ -84,12 +89,9 @@ def shift_measures(model, trajs: list[Trajectory], pad_id: int, temperature: flo
     model.eval()
     try:
         for i in range(0, len(trajs), batch_size):
-            chunk = trajs[i : i + batch_size]
-            ids, attn, _, old, _, off, _ = pad_training_views(chunk, pad_id, next(model.parameters()).device)
-            logits = forward_logits(model, ids, attn, pad_id)[:, :-1].float()  # (B, T, V)
-            if temperature > 0:
-                logits = logits / temperature
-            logp = grpo.gather_logprobs(logits, ids[:, 1:])  # (B, T)
+            part = trajs[i : i + batch_size]
+            ids, attn, _, old, _, off, _ = pad_training_views(part, pad_id, next(model.parameters()).device)
+            logp, _ = token_logprobs(model, ids, attn, pad_id, temperature, chunk)  # (B, T)
             out += grpo.shift_measure(logp, old[:, 1:], off[:, 1:]).tolist()
     finally:
         model.train(was)
@@ -259,7 +261,8 @@ class GRPOLearner:
                 chunk = trajs[i : i + self.s.minibatch_size]
                 sampled = [dataclasses.replace(t, keep_guidance=True) for t in chunk]  # the context as sampled
                 ids, attn, mask, *_ = pad_training_views(sampled, self.pad_id, self.device)
-                logp = grpo.gather_logprobs(self._logits(self.model, ids, attn), ids[:, 1:])  # (B, T)
+                logp, _ = token_logprobs(self.model, ids, attn, self.pad_id, self.s.temperature,
+                                         self.s.logprob_chunk)  # (B, T)
                 for b, t in enumerate(chunk):
                     mine = logp[b][mask[b, 1:] > 0].tolist()  # the policy tokens, in order
                     pos = [k for k, o in enumerate(t.origin) if o == Origin.POLICY]
@@ -281,7 +284,8 @@ class GRPOLearner:
 
     def shift_of(self, trajs: list[Trajectory]) -> list[float]:
         """The shift measure of each trajectory under the current weights (no gradient)."""
-        return shift_measures(self.model, trajs, self.pad_id, self.s.temperature, self.s.minibatch_size)
+        return shift_measures(self.model, trajs, self.pad_id, self.s.temperature, self.s.minibatch_size,
+                              self.s.logprob_chunk)
 
     # ------------------------------------------------------------------ forward
     @property
@@ -296,25 +300,20 @@ class GRPOLearner:
         # token k is predicted from position k-1: shift everything that describes targets by one
         return ids, attn, mask[:, 1:], old[:, 1:], post_tool[:, 1:] & (mask[:, 1:] > 0), adv, off[:, 1:], isw
 
-    def _logits(self, model, ids, attn) -> torch.Tensor:
-        logits = forward_logits(model, ids, attn, self.pad_id)[:, :-1].float()  # (B, T, V), packed
-        return logits / self.s.temperature if self.s.temperature > 0 else logits
-
-    # ------------------------------------------------------------------ update
     def minibatch_loss(self, trajs: list[Trajectory], advs: list[float]):
         """``(loss, stats, entropy (B, T), mask (B, T))``: the policy loss of one minibatch under the current weights
         (:func:`policy.grpo.policy_loss`, with entropy shaping and the KL reference when set), rehearsal apart."""
         s = self.s
         ids, attn, mask, old, shape_mask, adv, off, isw = self._batch(trajs, advs)
-        logits = self._logits(self.model, ids, attn)  # (B, T, V)
-        logp = grpo.gather_logprobs(logits, ids[:, 1:])  # (B, T)
-        ent = grpo.token_entropy(logits.detach())  # (B, T)
+        logp, ent = token_logprobs(self.model, ids, attn, self.pad_id, self.s.temperature, self.s.logprob_chunk,
+                                   entropy=True)  # (B, T) each
         if s.entropy_coef:
             adv = grpo.entropy_shaped_advantages(adv, ent, shape_mask, mask, s.entropy_coef)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref = grpo.gather_logprobs(self._logits(self.ref_model, ids, attn), ids[:, 1:])
+                ref, _ = token_logprobs(self.ref_model, ids, attn, self.pad_id, self.s.temperature,
+                                        self.s.logprob_chunk)
         loss, st = grpo.policy_loss(logp, old, adv, mask, self.loss, guided=off, ref_logp=ref, is_weight=isw)
         return loss, st, ent, mask
 
@@ -335,7 +334,8 @@ class GRPOLearner:
                 loss, st, ent, mask = self.minibatch_loss([batch.trajectories[j] for j in sel],
                                                           [batch.advantages[j] for j in sel])
                 if s.rehearsal > 0:  # PPO-ptx: keep the demonstrations' likelihood up beside the RL objective
-                    nll = sft_loss(self.model, self.rehearsal_source(s.rehearsal_batch), self.pad_id)
+                    nll = sft_loss(self.model, self.rehearsal_source(s.rehearsal_batch), self.pad_id,
+                                   s.logprob_chunk)
                     loss = loss + s.rehearsal * nll
                     st = dict(st, rehearsal_nll=float(nll.detach()))
                 self.optimizer.zero_grad(set_to_none=True)

@@ -111,3 +111,68 @@ def forward_logits(model, ids: torch.Tensor, attn: torch.Tensor, pad_id: int) ->
         if min(lengths) > 0:
             return _packed_logits(model, ids, lengths, pad_id)
     return model(input_ids=ids).logits  # right padding: causal attention alone keeps each sequence to itself
+
+
+def _packed_hidden(model, ids: torch.Tensor, lengths: list[int], pad_id: int) -> torch.Tensor:
+    packed, pos, index = _packed(ids, lengths, pad_id)
+    h = model.get_decoder()(input_ids=packed, position_ids=pos, use_cache=False).last_hidden_state  # (R, C, H)
+    flat = h.reshape(-1, h.shape[-1])
+    return flat.index_select(0, index.reshape(-1)).reshape(*ids.shape, -1)  # (B, L, H)
+
+
+def forward_hidden(model, ids: torch.Tensor, attn: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """The decoder's last hidden states (B, L, H) of a right-padded batch, packed as :func:`forward_logits` packs:
+    what the vocabulary projection turns into logits."""
+    if ids.shape[1] <= PACK_MAX_TOKENS and supports_packing(model, pad_id):
+        lengths = [int(n) for n in attn.sum(dim=1).tolist()]
+        if min(lengths) > 0:
+            return _packed_hidden(model, ids, lengths, pad_id)
+    return model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+
+
+def _chunk_logprobs(head, h: torch.Tensor, targets: torch.Tensor, temperature: float,
+                    entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = head(h).float()  # (n, V)
+    if temperature > 0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)  # (n,)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse  # (n,)
+    if not entropy:
+        return logp, torch.zeros_like(logp)
+    with torch.no_grad():
+        p = torch.softmax(logits, dim=-1)
+        ent = lse - (p * logits).sum(-1)  # (n,): H = logsumexp - E_p[logit]
+    return logp, ent
+
+
+def token_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, pad_id: int, temperature: float = 1.0,
+                   chunk: int = 0, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities (B, T) of each next token ``ids[:, 1:]`` under ``model`` (logits divided by
+    ``temperature`` when > 0), and with ``entropy`` the next-token entropies (B, T) (detached).
+
+    ``chunk = 0``: from the full logits (B, T, V) (:func:`forward_logits`). ``chunk = n``: the vocabulary
+    projection runs ``n`` positions at a time and is recomputed in the backward pass
+    (``torch.utils.checkpoint``), so no (B, T, V) tensor exists at once: a 49k-token vocabulary over a batch of
+    trajectories would otherwise take gigabytes, several times over (softmax, log-softmax, gradient)."""
+    from policy import grpo
+
+    if not chunk:
+        logits = forward_logits(model, ids, attn, pad_id)[:, :-1].float()  # (B, T, V)
+        if temperature > 0:
+            logits = logits / temperature
+        logp = grpo.gather_logprobs(logits, ids[:, 1:])  # (B, T)
+        return logp, (grpo.token_entropy(logits.detach()) if entropy else None)
+    from torch.utils.checkpoint import checkpoint
+
+    h = forward_hidden(model, ids, attn, pad_id)[:, :-1]  # (B, T, H)
+    B, T, H = h.shape
+    flat, targets = h.reshape(-1, H), ids[:, 1:].reshape(-1)
+    head = model.get_output_embeddings()
+    lps, ents = [], []
+    for i in range(0, B * T, chunk):
+        lp, en = checkpoint(_chunk_logprobs, head, flat[i:i + chunk], targets[i:i + chunk], temperature, entropy,
+                            use_reentrant=False)
+        lps.append(lp)
+        ents.append(en)
+    logp = torch.cat(lps).reshape(B, T)
+    return logp, (torch.cat(ents).reshape(B, T).detach() if entropy else None)

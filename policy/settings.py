@@ -45,3 +45,4 @@ class LearnerSettings:
     tis_cap: float = 3.0  # truncated importance-sampling cap with old_logprobs = "recompute"
     temperature: float = 1.0  # logits are divided by the rollout temperature, as the behaviour's were
     max_tokens: int = 96  # Dr.GRPO's constant normaliser: the most tokens a rollout can generate
+    logprob_chunk: int = 0  # 0: log-probs from the full logits; n: the vocabulary projection n positions at a time

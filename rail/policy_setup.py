@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import json
 import logging
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -87,9 +88,9 @@ def reference_trajectory(env: Environment, task, renderer: ChatRenderer, group: 
     runner = ToolRunner(env, tool_format).begin(task)
     user = task.prompt if plan is None else f"{task.prompt} {plan}"
     if hint is not None and hint[0] == 0:
-        prompt, _ = renderer.prompt_with_hint(env.system_prompt(), user, hint[1], runner.tools)
+        prompt, _ = renderer.prompt_with_hint(env.system_prompt(), user, hint[1], runner.tools, runner.describes_tools)
     else:
-        prompt = renderer.prompt(env.system_prompt(), user, runner.tools)
+        prompt = renderer.prompt(env.system_prompt(), user, runner.tools, runner.describes_tools)
     tr = Trajectory(task.id, task.family, task.level, group, prompt, list(prompt))
     guide = list(task.action_guide if actions is None else actions)
     perturbed = actions is not None and guide != list(task.action_guide)
@@ -184,8 +185,9 @@ def warmstart_cache(cfg: Config, envs: dict[str, Environment], tok=None) -> Path
     demonstrations the key hashes are tokenised with. ``rail ablate`` asks it too, to start a seed's other arms
     only once the first has cached it."""
     if cfg.model.path:
-        base = checkpoint_fingerprint(cfg.model.path)
-        tok = load_tokenizer(cfg.model.path) if tok is None else tok
+        path = model_dir(cfg)
+        base = checkpoint_fingerprint(path)
+        tok = load_tokenizer(path) if tok is None else tok
     else:
         words = vocabulary(envs)
         base = hashlib.sha256(" ".join(words).encode()).hexdigest()
@@ -287,7 +289,7 @@ def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg:
     model.train()
     losses = []
     for i, trajs in enumerate(itertools.islice(batches, steps)):
-        loss = sft_loss(model, trajs, renderer.pad)
+        loss = sft_loss(model, trajs, renderer.pad, cfg.learner.logprob_chunk)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -345,6 +347,14 @@ def _check_message(check: dict, cfg: Config, cache: Path | None) -> str:
             + (f"; the failed check is recorded in {cache}" if cache is not None else ""))
 
 
+def model_dir(cfg: Config, progress=None) -> str:
+    """The directory ``model.path`` names (:func:`rail.models.model_dir`: a model named by rail converted once)."""
+    from rail import models
+
+    say = getattr(progress, "say", None) or (lambda message: print(f"rail: {message}", file=sys.stderr, flush=True))
+    return models.model_dir(cfg.model.path, cfg.model.cache_dir, say)
+
+
 def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
     """(model, tokenizer, info): the built-in model or the checkpoint at ``model.path``, warm-started (SFT on
     reference trajectories in the model's own chat template and tool-call format, until its check passes:
@@ -355,7 +365,8 @@ def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
 
     device = resolve_device(cfg.run.device)
     if cfg.model.path:
-        model, tok = load_policy(cfg.model.path)
+        path = model_dir(cfg, progress)
+        model, tok = load_policy(path)
         if not cfg.warmstart.enabled:
             return model.to(device), tok, {"source": cfg.model.path, "warmstart": "disabled"}
         source = cfg.model.path
@@ -374,7 +385,7 @@ def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
         except (ValueError, OSError) as e:
             log.warning("warm-start cache %s unreadable (%s); rebuilding it", cache, e)
             if cfg.model.path:
-                model, tok = load_policy(cfg.model.path)
+                model, tok = load_policy(path)
     if model is None:
         m = cfg.model
         model = build_tiny_model(len(tok), hidden_size=m.hidden_size, layers=m.layers, heads=m.heads,

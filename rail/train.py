@@ -213,6 +213,7 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
         cb.close = bar.close
+        cb.say = lambda message: tqdm.write(f"rail: {message}")
         return cb
 
     def _trackers(self, resume: bool):

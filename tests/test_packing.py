@@ -68,3 +68,24 @@ def test_models_that_cannot_pack_and_long_rows_take_the_unmasked_padded_pass(mon
     calls = []
     monkeypatch.setattr(P, "_packed_logits", lambda *a: calls.append(a))
     assert torch.allclose(forward_logits(model, ids, attn, 0)[m], masked[m], atol=1e-5) and not calls
+
+
+def test_chunked_logprobs_match_the_full_logits_and_their_gradient():
+    """token_logprobs with chunk = n (the vocabulary projection n positions at a time, recomputed in the backward
+    pass) gives the log-probs, entropies and gradient of the full logits, to float tolerance."""
+    from policy.model import build_tiny_model
+    from policy.packing import token_logprobs
+
+    m = build_tiny_model(50, hidden_size=16, layers=2, heads=2, kv_heads=1, intermediate_size=32, max_positions=64,
+                         seed=0, pad_token_id=0, eos_token_id=1)
+    ids = torch.randint(2, 50, (3, 12), generator=torch.Generator().manual_seed(1))
+    attn = torch.ones_like(ids)
+    ids[1, 9:], attn[1, 9:] = 0, 0
+    full, ent_full = token_logprobs(m, ids, attn, 0, 0.7, 0, entropy=True)
+    part, ent_part = token_logprobs(m, ids, attn, 0, 0.7, 5, entropy=True)
+    assert torch.allclose(full, part, atol=1e-5) and torch.allclose(ent_full, ent_part, atol=1e-5)
+    full.sum().backward()
+    g_full = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    part.sum().backward()
+    assert all(torch.allclose(a, p.grad, atol=1e-5) for a, p in zip(g_full, m.parameters()))

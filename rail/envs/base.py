@@ -219,6 +219,9 @@ class ToolRunner:
         self.format = get_format(tool_format)
         self.tools = list(env.tools())
         self.named = bool(getattr(env, "named_arguments", False))
+        # the format needs the tools' schemas in the prompt (hermes, json); the built-in one is described in the
+        # environment's system prompt, in words
+        self.describes_tools = self.format.name != "builtin"
 
     def render(self, action: Action) -> str:
         return action.render() if action.tool == MESSAGE else self.format.render(action, self.tools)
@@ -253,6 +256,7 @@ class EpisodeRunner:
         self.runner, self.episode = runner, episode
         self.tools = getattr(episode, "tools", None) or runner.tools
         self.render, self.inline = runner.render, runner.inline
+        self.describes_tools = runner.describes_tools
 
     def step(self, task: Task, text: str) -> Step:
         action = self.runner.parse(text, self.tools)
