@@ -174,8 +174,10 @@ def test_report_numbers_from_known_runs(tmp_path):
     rep = write_report(root)
     r, n = rep["arms"]["rail"], rep["arms"]["none"]
     assert r["final_beyond"] == pytest.approx(0.4)
-    lo, hi = r["final_beyond_ci"]  # t(0.975, 1 dof) x sd(0.3, 0.5) / sqrt(2) = t x 0.1
-    assert (lo + hi) / 2 == pytest.approx(0.4) and hi - lo == pytest.approx(2 * stats.t.ppf(0.975, 1) * 0.1, rel=1e-6)
+    # t(0.975, 1 dof) x sd(0.3, 0.5) / sqrt(2) = t x 0.1 = 1.27: 0.4 ± 1.27, clipped to a rate's [0, 1]; 2 seeds
+    assert r["final_beyond_ci"] == [0.0, 1.0] and r["n_seeds"] == 2 and r["few_seeds"] is True
+    lo, hi = n["final_easy_ci"]  # none's easy finals 0.4 and 0.4: no spread
+    assert lo == pytest.approx(0.4) and hi == pytest.approx(0.4)
     # trapezoid over budget 0, 32, 64 normalised by 64: seed 0 (0+.2)/2*.5 + (.2+.3)/2*.5 = 0.175; seed 1 0.225
     assert r["auc_beyond"] == pytest.approx(0.2)
     assert n["auc_beyond"] == pytest.approx(0.025)
@@ -189,17 +191,18 @@ def test_report_numbers_from_known_runs(tmp_path):
     assert rep["verdict"]["vs"]["none"]["final_beyond_diff"] == pytest.approx(0.3)
     vn = rep["versus_none"]["vs"]["rail"]  # per-seed differences 0.2 and 0.4 beyond, 0.1 and 0.1 easy
     assert vn["final_beyond_diff"] == pytest.approx(0.3) and vn["paired_seeds"] == [0, 1]
-    lo, hi = vn["final_beyond_diff_ci"]
-    assert hi - lo == pytest.approx(2 * stats.t.ppf(0.975, 1) * 0.1, rel=1e-6) and lo < 0
+    lo, hi = vn["final_beyond_diff_ci"]  # 0.3 ± t x 0.1, the top clipped to a difference of rates' 1
+    assert lo == pytest.approx(0.3 - stats.t.ppf(0.975, 1) * 0.1, rel=1e-6) and hi == 1.0
+    assert vn["n"] == 2 and vn["few_seeds"] is True
     assert vn["final_easy_diff_ci"] == pytest.approx([0.1, 0.1])
-    assert rep["versus_none"]["above_ci"] == [] and rep["versus_none"]["text"].startswith("**No**")
+    assert rep["versus_none"]["above_ci"] == [] and rep["versus_none"]["text"].startswith("**Not enough seeds**")
     assert rep["arms_order"] == ["none", "rail"]
     assert (root / "report.md").read_text().count("| `rail` | rail |") == 1
     # each level beyond the boundary on its own, and its paired difference from none (0.2 and 0.4 -> +0.30)
     assert r["final_beyond_cells"] == {"calc L3": pytest.approx(0.4)} and n["final_beyond_cells"] == {"calc L3": pytest.approx(0.1)}
     assert r["per_seed"]["1"]["final_beyond_cells"] == {"calc L3": 0.5}
     md = (root / "report.md").read_text()
-    assert "| arm | calc L3 |" in md and "| `rail` | 0.40 (+0.30) |" in md and "| `none` | 0.10 |" in md
+    assert "| arm | seeds | calc L3 |" in md and "| `rail` | 2 | 0.40 (+0.30) |" in md and "| `none` | 2 | 0.10 |" in md
 
 
 def test_report_pairs_the_learned_controller_over_other_action_spaces(tmp_path):
@@ -307,7 +310,7 @@ def test_smoke_ablation_report(smoke_ablation, capsys):
     for arm, v in rep["arms"].items():
         for k in REQUIRED:
             assert k in v, (arm, k)
-        assert v["final_beyond_ci"] == [v["final_beyond"], v["final_beyond"]]  # one seed
+        assert v["final_beyond_ci"] is None and v["few_seeds"] is True  # one seed: no interval
         assert 0.0 <= v["final_beyond"] <= 1.0 and 0.0 <= v["zero_variance_share"] <= 1.0
         assert v["wall_seconds"] > 0 and v["budget_spent"] == 48
         assert v["budget_to_match_none"] is None or 0 <= v["budget_to_match_none"] <= 48
@@ -317,7 +320,9 @@ def test_smoke_ablation_report(smoke_ablation, capsys):
     md = (out / "report.md").read_text()
     assert "beat the fixed heuristics beyond the boundary" in md and rep["verdict"]["text"] in md
     assert "higher than plain GRPO" in md and rep["versus_none"]["text"] in md
-    assert re.search(r"\*\*(Yes|No|Not shown)\*\*", rep["verdict"]["text"])
+    assert re.search(r"\*\*(Yes|No|Not shown|Not enough seeds)\*\*", rep["verdict"]["text"])
+    assert rep["verdict"]["answer"] == "not enough seeds"  # one seed decides nothing
+    assert rep["missing"] == [] and rep["jobs_planned"] == len(ab.arms)
     for arm in ab.arms:
         assert f"| `{arm}` |" in md
     assert rep["figures"]
@@ -377,7 +382,9 @@ def test_rerun_skips_finished_resumes_killed_and_records_a_failed_arm(smoke_abla
     rep = json.loads((out / "report.json").read_text())
     assert "ladder" not in rep["arms"] and rep["arms_missing"] == ["ladder"]
     assert rep["failed"][0]["job"] == "ladder/seed0" and "dapo" in rep["arms"] and "rail" in rep["arms"]
+    assert rep["missing"] == [{"arm": "ladder", "seed": 0, "state": "failed"}]
     md = (out / "report.md").read_text()
+    assert f"**Missing: 1 of {rep['jobs_planned']} jobs — `ladder` seed 0 failed.**" in md
     assert "## Failed jobs" in md and "manifest.json is missing" in md
     # MLflow: still one parent; the restarted dapo job is one new child, resumed in place, and finished
     _, runs = mlflow_runs(db)

@@ -242,8 +242,8 @@ def test_report_with_a_task_mix_shift(tmp_path):
     # steps to follow: 4 post-shift steps, window 1, steady state the last step
     assert r["per_seed"]["0"]["steps_to_follow"] == 2 and r["per_seed"]["1"]["steps_to_follow"] == 3
     assert r["steps_to_follow"] == pytest.approx(2.5) and r["steps_to_follow_never"] == 0
-    lo, hi = r["steps_to_follow_ci"]
-    assert hi - lo == pytest.approx(2 * stats.t.ppf(0.975, 1) * np.std([2, 3], ddof=1) / np.sqrt(2))
+    lo, hi = r["steps_to_follow_ci"]  # a count of steps: clipped at 0
+    assert lo == 0 and hi == pytest.approx(2.5 + stats.t.ppf(0.975, 1) * np.std([2, 3], ddof=1) / np.sqrt(2))
     assert lad["steps_to_follow"] == 0 and none["steps_to_follow"] == 0
     # success on the shifted mix (calc L3) from the evaluation at step 4 (budget 64) to the end (128)
     assert r["shift_initial"] == pytest.approx(0.1) and r["shift_final"] == pytest.approx(0.4)
@@ -255,8 +255,8 @@ def test_report_with_a_task_mix_shift(tmp_path):
     v = adv["vs"]["rail"]
     assert v["shift_final_diff"] == pytest.approx(0.1) and v["shift_auc_diff"] == pytest.approx(0.075)
     assert v["steps_to_follow_diff"] == pytest.approx(2.5) and v["steps_to_follow_paired_seeds"] == [0, 1]
-    lo, hi = v["shift_final_diff_ci"]  # per-seed differences 0.2 and 0.0
-    assert (lo + hi) / 2 == pytest.approx(0.1) and lo < 0 < hi
+    # per-seed differences 0.2 and 0.0: 0.1 ± 1.27 over 2 seeds, clipped to the [-1, 1] of a difference of rates
+    assert v["shift_final_diff_ci"] == [-1.0, 1.0] and v["shift_final_n"] == 2 and v["shift_final_few_seeds"] is True
     assert "`rail` − `ladder`, paired over seeds: final success on the shifted mix +0.100" in adv["text"]
     assert "steps to follow +2.5" in adv["text"]
     # what each chose per family and level, over training
@@ -272,10 +272,10 @@ def test_report_with_a_task_mix_shift(tmp_path):
     assert "_cells_series" not in js["arms"]["rail"] and js["arms"]["rail"]["steps_to_follow"] == 2.5
     md = (root / "report.md").read_text()
     assert "## After the task-mix shift at step 5" in md and adv["text"] in md
-    row = next(ln for ln in md.splitlines() if ln.startswith("| `rail` | 2.5 |"))
+    row = next(ln for ln in md.splitlines() if ln.startswith("| `rail` | 2 | 2.5 |"))
     assert "| 0 | 0.100 | 0.400 |" in row and "| 2.5 |" in row
     assert "## What the controllers chose per family and level" in md
-    assert f"| `rail` | 0.50 {res} | 0.50 {res} | 0.38 {hint} |" in md
+    assert f"| `rail` | 2 | 0.50 {res} | 0.50 {res} | 0.38 {hint} |" in md
     assert parent.metrics["report/rail/steps_to_follow"] == 2.5
     assert parent.metrics["report/ladder/shift_auc"] == pytest.approx(0.2)
     # the figure: written, listed, linked, not blank
@@ -327,7 +327,7 @@ def test_a_controller_that_never_settles_is_counted_and_left_out_of_the_mean(tmp
     rep = write_report(root, figures=False)
     r = rep["arms"]["rail"]
     assert r["per_seed"]["0"]["steps_to_follow"] == 4 and r["per_seed"]["1"]["steps_to_follow"] is None
-    assert r["steps_to_follow"] == 4 and r["steps_to_follow_never"] == 1 and r["steps_to_follow_ci"] == [4, 4]
+    assert r["steps_to_follow"] == 4 and r["steps_to_follow_never"] == 1 and r["steps_to_follow_ci"] is None  # one seed
     assert rep["arms"]["ladder"]["steps_to_follow_never"] == 0
     v = rep["after_shift"]["vs"]["rail"]
     assert v["steps_to_follow_paired_seeds"] == [0] and v["steps_to_follow_diff"] == 4

@@ -18,12 +18,27 @@ from typing import Any
 import numpy as np
 
 from rail.lab import adaptivity
-from rail.lab.report_common import SHIFT_FIELDS, mean, t_interval
+from rail.lab.report_common import (
+    MIN_SEEDS,
+    RATE,
+    RATE_DIFF,
+    SHIFT_FIELDS,
+    few_seeds,
+    mean,
+    missing_text,
+    n_defined,
+    t_interval,
+)
 from rail.lab.report_figures import draw_figures
 from rail.lab.report_markdown import format_markdown
 
 FIXED = ("none", "dapo", "rti", "actguide", "ladder", "random")  # the fixed controllers (rail/controllers.py)
 STEP_TIMES = ("time/generate_s", "time/rounds_s", "time/score_s", "time/controller_s", "time/update_s")
+#: Per-seed fields that are rates (their intervals lie in [0, 1], their paired differences' in [-1, 1]).
+RATE_FIELDS = ("final_beyond", "final_easy", "auc_beyond", "shift_final", "shift_auc")
+#: report.md / report.json names of a planned job's state when its run has no summary.json.
+JOB_STATES = {"running": "running", "failed": "failed", "interrupted": "interrupted", "pending": "not started",
+              "finished": "no summary.json"}
 FIGURES = ("learning_curves.png", "final_beyond.png", "choices.png", "how_many.png", "choices_by_level.png")
 
 
@@ -140,7 +155,7 @@ def load_ablation_dir(root: Path) -> tuple[dict, dict[str, dict[int, dict]]]:
     if (root / "ablation.json").is_file():
         state = read_json(root / "ablation.json", fix="rerun the same `rail ablate` command to rewrite it, or delete "
                                                        "it to report every run under the directory")
-    state = dict(state, damaged=[])
+    state = dict(state, damaged=[], damaged_jobs=[], unfinished_dirs=[])
     arms = list(state.get("arms") or [])
     for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         if d.name not in arms and any((s / "config.json").is_file() for s in d.glob("seed*")):
@@ -160,29 +175,33 @@ def load_ablation_dir(root: Path) -> tuple[dict, dict[str, dict[int, dict]]]:
                 import warnings
                 warnings.warn(str(e), stacklevel=2)
                 state["damaged"].append(str(e))
+                state["damaged_jobs"].append(f"{arm}/seed{int(m.group(1))}")
                 continue
             if run is not None:
                 runs[arm][int(m.group(1))] = run
+            elif (s / "config.json").is_file():
+                state["unfinished_dirs"].append(f"{arm}/seed{int(m.group(1))}")
     return state, runs
 
 
 # ---------------------------------------------------------------------------- aggregation
 def _aggregate_curve(seed_runs: dict[int, dict]) -> dict:
-    """Mean and 95% band over seeds, at the evaluation steps every seed has."""
+    """Mean and 95% band over seeds (clipped to [0, 1]; none under 2 seeds), at the evaluation steps every seed
+    has, and ``n``, the seeds behind it."""
     common = None
     for r in seed_runs.values():
         s = set(r["curve"]["step"])
         common = s if common is None else common & s
     steps = sorted(common or [])
     out: dict[str, list] = {"step": steps, "budget_spent": [], "easy": [], "easy_ci": [], "beyond": [],
-                            "beyond_ci": []}
+                            "beyond_ci": [], "n": len(seed_runs)}
     for st in steps:
         idx = {sd: r["curve"]["step"].index(st) for sd, r in seed_runs.items()}
         out["budget_spent"].append(mean(r["curve"]["budget_spent"][idx[sd]] for sd, r in seed_runs.items()))
         for k in ("easy", "beyond"):
             vals = [r["curve"][k][idx[sd]] for sd, r in seed_runs.items()]
             out[k].append(mean(vals))
-            out[f"{k}_ci"].append(t_interval(vals))
+            out[f"{k}_ci"].append(t_interval(vals, bounds=RATE))
     return out
 
 
@@ -246,16 +265,18 @@ def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
             "description": (state.get("arm_descriptions") or {}).get(arm, ""),
             "seeds": sorted(seed_runs),
             "n_seeds": len(rs),
+            "few_seeds": few_seeds(len(rs)),
             "final_beyond": mean(r["final_beyond"] for r in rs),
-            "final_beyond_ci": t_interval([r["final_beyond"] for r in rs]),
+            "final_beyond_ci": t_interval([r["final_beyond"] for r in rs], bounds=RATE),
             "final_easy": mean(r["final_easy"] for r in rs),
-            "final_easy_ci": t_interval([r["final_easy"] for r in rs]),
+            "final_easy_ci": t_interval([r["final_easy"] for r in rs], bounds=RATE),
             "initial_beyond": mean(r["initial_beyond"] for r in rs),
             "initial_easy": mean(r["initial_easy"] for r in rs),
             "auc_beyond": mean(r["auc_beyond"] for r in rs),
-            "auc_beyond_ci": t_interval([r["auc_beyond"] for r in rs]),
+            "auc_beyond_ci": t_interval([r["auc_beyond"] for r in rs], bounds=RATE),
             "budget_to_match_none": None,
             "budget_to_match_none_beyond": None,
+            "budget_to_match_none_seeds": [],
             "zero_variance_share": mean(r["zero_variance_share"] for r in rs),
             "acceptance": mean(r["acceptance"] for r in rs),
             "intervention_budget_share": mean(r["intervention_budget_share"] for r in rs),
@@ -269,13 +290,16 @@ def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
                                    for c in dict.fromkeys(c for r in rs for c in r["final_beyond_cells"])},
             "choices_by_cell": cells["totals"],
             "steps_to_follow": mean(follow),
-            "steps_to_follow_ci": t_interval(follow),
+            "steps_to_follow_ci": t_interval(follow, bounds=(0.0, math.inf)),
+            "steps_to_follow_n": len(follow),
             "steps_to_follow_never": sum(1 for r in rs if r["choices_after_shift"] and r["steps_to_follow"] is None),
             "shift_initial": mean(r["shift_initial"] for r in rs),
             "shift_final": mean(r["shift_final"] for r in rs),
-            "shift_final_ci": t_interval(_defined(rs, "shift_final")),
+            "shift_final_ci": t_interval(_defined(rs, "shift_final"), bounds=RATE),
+            "shift_final_n": n_defined(r["shift_final"] for r in rs),
             "shift_auc": mean(r["shift_auc"] for r in rs),
-            "shift_auc_ci": t_interval(_defined(rs, "shift_auc")),
+            "shift_auc_ci": t_interval(_defined(rs, "shift_auc"), bounds=RATE),
+            "shift_auc_n": n_defined(r["shift_auc"] for r in rs),
             "per_seed": {str(sd): {k: r[k] for k in ("final_easy", "final_beyond", "final_beyond_cells", "auc_beyond",
                                                     "zero_variance_share", "acceptance", "wall_seconds",
                                                     "controller_overhead", "budget_spent", "steps_to_follow",
@@ -286,12 +310,20 @@ def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
                             if all(r["quick_curve"] for r in rs) else None),
             "_choices_series": ch,
             "_cells_series": cells,
+            "_seed_runs": seed_runs,
         }
     target = arms.get("none", {}).get("final_easy")
     target_beyond = arms.get("none", {}).get("final_beyond")
-    for a in arms.values():
-        a["budget_to_match_none"] = _budget_to_reach(_finest(a), "easy", target)
-        a["budget_to_match_none_beyond"] = _budget_to_reach(_finest(a), "beyond", target_beyond)
+    if "none" in arms:  # paired: each arm against `none` over the seeds both finished
+        for a in arms.values():
+            seeds = [sd for sd in a["seeds"] if sd in arms["none"]["seeds"]]
+            curve = _finest_over(a, seeds)
+            none_runs = arms["none"]["_seed_runs"]
+            a["budget_to_match_none_seeds"] = seeds
+            a["budget_to_match_none_target"] = mean(none_runs[sd]["final_easy"] for sd in seeds)
+            a["budget_to_match_none_beyond_target"] = mean(none_runs[sd]["final_beyond"] for sd in seeds)
+            a["budget_to_match_none"] = _budget_to_reach(curve, "easy", a["budget_to_match_none_target"])
+            a["budget_to_match_none_beyond"] = _budget_to_reach(curve, "beyond", a["budget_to_match_none_beyond_target"])
     failed = []
     for key, e in sorted((state.get("jobs") or {}).items()):
         if e.get("status") in ("failed", "interrupted"):
@@ -315,9 +347,54 @@ def summarize(state: dict, runs: dict[str, dict[int, dict]]) -> dict:
         "none_final_easy": target, "none_final_beyond": target_beyond,
         "shift": _shift_setting(any_run),
         "arms": arms, "failed": failed,
+        "ablation_status": state.get("status"), **_missing_jobs(state, runs, order),
         "arms_missing": [a for a in (state.get("arms") or list(runs)) if a not in arms],
         "damaged": list(state.get("damaged", [])),
     }
+
+
+def _missing_jobs(state: dict, runs: dict[str, dict[int, dict]], order: list[str]) -> dict:
+    """``missing``: every (arm, seed) job the ablation planned (``ablation.json`` ``arms`` x ``seeds`` and its
+    ``jobs``, and any run directory on disk) that has no readable summary.json, with its ``state``; and
+    ``jobs_planned``, how many jobs that makes with the finished ones."""
+    jobs = state.get("jobs") or {}
+    planned: dict[tuple[str, int], None] = {}
+    for arm in state.get("arms") or []:
+        for seed in state.get("seeds") or []:
+            planned[(arm, int(seed))] = None
+    keys = [*jobs, *state.get("unfinished_dirs", []), *state.get("damaged_jobs", [])]
+    for key in keys:
+        m = re.fullmatch(r"(.+)/seed(\d+)", key)
+        if m:
+            planned[(m.group(1), int(m.group(2)))] = None
+    for arm, seed_runs in runs.items():
+        for seed in seed_runs:
+            planned[(arm, seed)] = None
+    rank = {a: i for i, a in enumerate([*order, *(state.get("arms") or [])])}
+    missing = []
+    for arm, seed in sorted(planned, key=lambda k: (rank.get(k[0], len(rank)), k[0], k[1])):
+        if seed in runs.get(arm, {}):
+            continue
+        key = f"{arm}/seed{seed}"
+        if key in state.get("damaged_jobs", []):
+            st = "damaged summary.json"
+        elif key in jobs:
+            st = JOB_STATES.get(jobs[key].get("status"), jobs[key].get("status") or "not started")
+        else:
+            st = "no summary.json" if key in state.get("unfinished_dirs", []) else "not started"
+        missing.append({"arm": arm, "seed": seed, "state": st})
+    return {"missing": missing, "jobs_planned": len(planned)}
+
+
+def _finest_over(arm: dict, seeds: list[int]) -> dict:
+    """The arm's finest seed-mean curve over some of its seeds only (those another arm shares with it): the
+    frequent quick evaluations when its runs made them (``eval.quick_every``), else the full ones."""
+    sub = {sd: r for sd, r in arm["_seed_runs"].items() if sd in seeds}
+    if not sub:
+        return {"step": [], "budget_spent": [], "easy": [], "beyond": []}
+    if all(r["quick_curve"] for r in sub.values()):
+        return _aggregate_curve({sd: dict(r, curve=r["quick_curve"]) for sd, r in sub.items()})
+    return _aggregate_curve(sub)
 
 
 def _shift_setting(run: dict | None) -> dict | None:
@@ -359,29 +436,41 @@ def _eval_tasks(run: dict | None, which: str) -> int | None:
 def _paired(A: dict, B: dict, field: str, defined: bool = False) -> tuple[float | None, list[float] | None, list]:
     """Mean of arm A's per-seed ``field`` minus arm B's over their common seeds (with ``defined``, only those where
     both arms have it: steps_to_follow is null where a controller never settled), its t-interval (None under 2
-    seeds) and the seeds: all arms of a seed share task streams, so the comparison is paired."""
+    seeds; a difference of rates clipped to [-1, 1]) and the seeds: all arms of a seed share task streams, so the
+    comparison is paired."""
     seeds = [s for s in A["seeds"] if s in B["seeds"] and not (defined and (
         A["per_seed"][str(s)].get(field) is None or B["per_seed"][str(s)].get(field) is None))]
     d = [A["per_seed"][str(s)][field] - B["per_seed"][str(s)][field] for s in seeds]
-    return mean(d), (t_interval(d) if len(d) >= 2 else None), seeds
+    return mean(d), t_interval(d, bounds=RATE_DIFF if field in RATE_FIELDS else None), seeds
 
 
 def _paired_fields(A: dict, B: dict, fields: tuple) -> dict:
-    """``<field>_diff`` and ``<field>_diff_ci`` (A − B, :func:`_paired`) for each of ``fields``, and the
-    ``paired_seeds``."""
+    """``<field>_diff`` and ``<field>_diff_ci`` (A − B, :func:`_paired`) for each of ``fields``, the
+    ``paired_seeds``, their number ``n`` and ``few_seeds`` (0 < n < 3: the intervals are unreliable)."""
     out: dict[str, Any] = {}
     seeds: list = []
     for f in fields:
         out[f"{f}_diff"], out[f"{f}_diff_ci"], seeds = _paired(A, B, f)
     out["paired_seeds"] = seeds
+    out["n"], out["few_seeds"] = len(seeds), few_seeds(len(seeds))
     return out
+
+
+def _ci_words(ci, n: int, nd: int = 3) -> str:
+    """An interval in a sentence of report.md, with the seeds behind it."""
+    if n == 0:
+        return "no paired seed"
+    if n == 1 or not ci:
+        return "n=1: no interval"
+    return (f"95% CI [{ci[0]:+.{nd}f}, {ci[1]:+.{nd}f}] over {n} paired seeds"
+            + (", fewer than 3 seeds: interval unreliable" if few_seeds(n) else ""))
 
 
 # ---------------------------------------------------------------------------- against plain GRPO
 def versus_none(rep: dict) -> dict:
     """Does any intervening arm end higher than ``none`` beyond the boundary? Paired over seeds, like ``compare``."""
     arms = rep["arms"]
-    out: dict[str, Any] = {"vs": {}, "above_ci": []}
+    out: dict[str, Any] = {"vs": {}, "above_ci": [], "below_ci": [], "few_seeds": [], "answer": None}
     if "none" not in arms or arms["none"]["final_beyond"] is None:
         out["text"] = "No comparison: no finished `none` arm (or no level beyond the boundary was evaluated)."
         return out
@@ -390,21 +479,45 @@ def versus_none(rep: dict) -> dict:
         if a == "none" or arms[a]["final_beyond"] is None:
             continue
         out["vs"][a] = _paired_fields(arms[a], N, ("final_beyond", "final_easy"))
-    out["above_ci"] = [a for a, v in out["vs"].items() if v["final_beyond_diff_ci"] and v["final_beyond_diff_ci"][0] > 0]
-    if not out["vs"]:
+    vs = out["vs"]
+    out["above_ci"] = [a for a, v in vs.items() if _decided(v) and v["final_beyond_diff_ci"][0] > 0]
+    out["below_ci"] = [a for a, v in vs.items() if _decided(v) and v["final_beyond_diff_ci"][1] < 0]
+    out["few_seeds"] = [a for a, v in vs.items() if not _decided(v)]
+    if not vs:
+        out["answer"] = None
         out["text"] = "No comparison: `none` is the only finished arm."
-    elif out["above_ci"]:
+        return out
+    if out["above_ci"]:
+        out["answer"] = "yes"
         out["text"] = ("**Yes**: " + ", ".join(
-            f"`{a}` (+{out['vs'][a]['final_beyond_diff']:.3f}, 95% CI [{out['vs'][a]['final_beyond_diff_ci'][0]:.3f}, "
-            f"{out['vs'][a]['final_beyond_diff_ci'][1]:.3f}])" for a in out["above_ci"])
-            + " ends higher than `none` beyond the boundary, the paired interval over seeds above 0.")
+            f"`{a}` ({vs[a]['final_beyond_diff']:+.3f}, {_ci_words(vs[a]['final_beyond_diff_ci'], vs[a]['n'])})"
+            for a in out["above_ci"]) + " ends higher than `none` beyond the boundary, the paired interval above 0.")
+        return out
+    best = max(vs, key=lambda a: vs[a]["final_beyond_diff"] if vs[a]["final_beyond_diff"] is not None else -math.inf)
+    largest = (f"the largest mean difference is `{best}`'s {vs[best]['final_beyond_diff']:+.3f} "
+               f"({_ci_words(vs[best]['final_beyond_diff_ci'], vs[best]['n'])})"
+               if vs[best]["final_beyond_diff"] is not None else "no arm shares a seed with `none`")
+    if len(out["below_ci"]) == len(vs):
+        out["answer"] = "no"
+        out["text"] = ("**No**: every arm's paired interval of final beyond-boundary success minus `none`'s lies "
+                       f"below 0; {largest}.")
+    elif out["few_seeds"]:
+        out["answer"] = "not enough seeds"
+        out["text"] = ("**Not enough seeds**: no arm's paired interval of final beyond-boundary success minus `none`'s "
+                       f"lies above 0 with at least {MIN_SEEDS} paired seeds, and "
+                       + ", ".join(f"`{a}` (n={vs[a]['n']})" for a in out["few_seeds"])
+                       + f" {'has' if len(out['few_seeds']) == 1 else 'have'} fewer than {MIN_SEEDS} seeds shared with "
+                       f"`none` to tell; {largest}.")
     else:
-        best = max(out["vs"], key=lambda a: out["vs"][a]["final_beyond_diff"])
-        ci = out["vs"][best]["final_beyond_diff_ci"]
-        out["text"] = (f"**No**: no arm's paired interval of final beyond-boundary success minus `none`'s lies above 0; "
-                       f"the largest mean difference is `{best}`'s {out['vs'][best]['final_beyond_diff']:+.3f}"
-                       + (f" (95% CI [{ci[0]:.3f}, {ci[1]:.3f}])." if ci else " (one seed: no interval)."))
+        out["answer"] = "not shown"
+        out["text"] = (f"**Not shown**: no arm's paired interval of final beyond-boundary success minus `none`'s lies "
+                       f"above 0 (each over at least {MIN_SEEDS} paired seeds); {largest}.")
     return out
+
+
+def _decided(d: dict, field: str = "final_beyond") -> bool:
+    """Whether a paired comparison (:func:`_paired_fields`) has an interval over at least 3 seeds."""
+    return d["n"] >= MIN_SEEDS and d[f"{field}_diff_ci"] is not None
 
 
 # ---------------------------------------------------------------------------- over other action spaces
@@ -425,14 +538,17 @@ def versus_learned(rep: dict) -> dict | None:
     for a in others:
         out["vs"][a] = _paired_fields(arms[a], L, ("final_beyond", "auc_beyond", "final_easy"))
     vs = out["vs"]
-    above = [a for a in others if vs[a]["final_beyond_diff_ci"] and vs[a]["final_beyond_diff_ci"][0] > 0]
-    below = [a for a in others if vs[a]["final_beyond_diff_ci"] and vs[a]["final_beyond_diff_ci"][1] < 0]
+    above = [a for a in others if _decided(vs[a]) and vs[a]["final_beyond_diff_ci"][0] > 0]
+    below = [a for a in others if _decided(vs[a]) and vs[a]["final_beyond_diff_ci"][1] < 0]
+    few = [a for a in others if not _decided(vs[a])]
     parts = []
     if above:
         parts.append("above `" + learned + "` (paired interval above 0): " + ", ".join(f"`{a}`" for a in above))
     if below:
         parts.append("below it (interval below 0): " + ", ".join(f"`{a}`" for a in below))
-    rest = [a for a in others if a not in above and a not in below]
+    rest = [a for a in others if a not in above and a not in below and a not in few]
+    if few:
+        parts.append(f"fewer than {MIN_SEEDS} paired seeds to tell: " + ", ".join(f"`{a}` (n={vs[a]['n']})" for a in few))
     if rest:
         parts.append("not told apart from it: " + ", ".join(f"`{a}`" for a in rest))
     out["text"] = (f"The same controller as `{learned}` over other action spaces ({arms[learned]['controller']}), "
@@ -468,6 +584,7 @@ def after_shift(rep: dict, reference: str = "ladder") -> dict | None:
             for f in SHIFT_FIELDS:
                 m, ci, seeds = _paired(arms[a], R, f, defined=True)
                 d[f"{f}_diff"], d[f"{f}_diff_ci"], d[f"{f}_paired_seeds"] = m, ci, seeds
+                d[f"{f}_n"], d[f"{f}_few_seeds"] = len(seeds), few_seeds(len(seeds))
             out["vs"][a] = d
         learned = rep.get("verdict", {}).get("learned")
         if learned in out["vs"]:
@@ -478,10 +595,8 @@ def after_shift(rep: dict, reference: str = "ladder") -> dict | None:
                 if d[f"{f}_diff"] is None:
                     part.append(f"{what}: no paired seed")
                     continue
-                ci = d[f"{f}_diff_ci"]
                 nd = 1 if f == "steps_to_follow" else 3
-                part.append(f"{what} {d[f'{f}_diff']:+.{nd}f}"
-                            + (f" (95% CI [{ci[0]:.{nd}f}, {ci[1]:.{nd}f}])" if ci else " (one seed: no interval)"))
+                part.append(f"{what} {d[f'{f}_diff']:+.{nd}f} ({_ci_words(d[f'{f}_diff_ci'], d[f'{f}_n'], nd)})")
             lines.append(f"`{learned}` − `{reference}`, paired over seeds: " + "; ".join(part) + ".")
     never = [a for a in rep["arms_order"] if arms[a].get("steps_to_follow_never")]
     if never:
@@ -506,35 +621,39 @@ def versus_best_fixed(rep: dict) -> dict | None:
     best = max(fixed, key=lambda a: (arms[a]["final_beyond"], arms[a]["final_easy"] or 0.0))
     B, L = arms[best], arms[learned]
     target = B["final_beyond"]
-    for a in arms.values():
-        a["budget_to_match_best_fixed_beyond"] = _budget_to_reach(_finest(a), "beyond", target)
+    best_runs = B["_seed_runs"]
+    for a in arms.values():  # paired: over the seeds the arm shares with the best fixed rule
+        seeds = [sd for sd in a["seeds"] if sd in B["seeds"]]
+        a["budget_to_match_best_fixed_beyond_seeds"] = seeds
+        a["budget_to_match_best_fixed_beyond"] = _budget_to_reach(
+            _finest_over(a, seeds), "beyond", mean(best_runs[sd]["final_beyond"] for sd in seeds))
     d = _paired_fields(L, B, ("final_beyond", "auc_beyond", "final_easy"))
     ci = d["final_beyond_diff_ci"]
-    n = len(d["paired_seeds"])
-    how = (f"{d['final_beyond_diff']:+.3f}" + (f", 95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else ", no interval")
-           + f" over {n} paired seed{'s' if n != 1 else ''}")
-    if ci and ci[0] > 0:
+    n = d["n"]
+    how = ("no paired seed" if n == 0 else f"{d['final_beyond_diff']:+.3f}, {_ci_words(ci, n)}")
+    if _decided(d) and ci[0] > 0:
         head = f"`{learned}` ends above it beyond the boundary ({how})."
-    elif ci and ci[1] < 0:
+    elif _decided(d) and ci[1] < 0:
         head = f"`{learned}` ends below it beyond the boundary ({how})."
+    elif not _decided(d):
+        head = f"`{learned}` has too few seeds in common with it to tell them apart beyond the boundary ({how})."
     else:
         head = f"`{learned}` is not told apart from it beyond the boundary ({how})."
     spent = L["budget_to_match_best_fixed_beyond"]
     total = L["budget_spent"]
-    reach = (f"`{learned}` first reached `{best}`'s final beyond success ({target:.3f}) after {spent:.0f} budget units"
+    shared = L["budget_to_match_best_fixed_beyond_seeds"]
+    tgt = mean(best_runs[sd]["final_beyond"] for sd in shared)
+    over = ("" if len(shared) == B["n_seeds"] else
+            f", over the {len(shared)} seed{'s' if len(shared) != 1 else ''} both finished")
+    reach = ("" if tgt is None else
+             f"`{learned}` first reached `{best}`'s final beyond success ({tgt:.3f}{over}) after {spent:.0f} budget units"
              + (f" ({spent / total:.0%} of its budget)." if total else ".") if spent is not None else
-             f"`{learned}` never reached `{best}`'s final beyond success ({target:.3f}) at an evaluation.")
+             f"`{learned}` never reached `{best}`'s final beyond success ({tgt:.3f}{over}) at an evaluation.")
     return {"best": best, "learned": learned, "best_final_beyond": target, **d,
             "budget_to_match": spent, "budget_share_to_match": spent / total if spent is not None and total else None,
+            "budget_to_match_seeds": shared,
             "text": f"The best fixed rule in hindsight is `{best}` ({B['description'] or B['controller']}; final "
-                    f"success beyond the boundary {target:.3f}). {head} {reach}"}
-
-
-def _finest(arm: dict) -> dict:
-    """The arm's finest seed-mean curve of success beyond the boundary: the frequent quick evaluations when its
-    runs made them (``eval.quick_every``), else the full ones."""
-    q = arm.get("quick_curve")
-    return q if q and q.get("step") else arm["curve"]
+                    f"success beyond the boundary {target:.3f}, n={B['n_seeds']}). {head} {reach}".rstrip()}
 
 
 # ---------------------------------------------------------------------------- the verdict
@@ -551,47 +670,68 @@ def compare(rep: dict, learned: str = "rail") -> dict:
                                              else "no finished fixed-controller arm" if not fixed
                                              else "no level beyond the boundary was evaluated (eval.levels)") + ".")
         out.update(beats_all_mean=None, beats_all_ci=None, less_budget_than_all=None,
-                   less_budget_than_all_beyond=None)
+                   less_budget_than_all_beyond=None, answer=None, below_ci=[], few_seeds=[])
         return out
     L = arms[learned]
     for f in fixed:
         out["vs"][f] = _paired_fields(L, arms[f], ("final_beyond", "auc_beyond"))
     vs = out["vs"]
     above = [f for f in fixed if (vs[f]["final_beyond_diff"] or 0.0) > 0]
-    sig = [f for f in fixed if vs[f]["final_beyond_diff_ci"] and vs[f]["final_beyond_diff_ci"][0] > 0]
-    below = [f for f in fixed if (vs[f]["final_beyond_diff"] or 0.0) < 0]
+    sig = [f for f in fixed if _decided(vs[f]) and vs[f]["final_beyond_diff_ci"][0] > 0]
+    below = [f for f in fixed if _decided(vs[f]) and vs[f]["final_beyond_diff_ci"][1] < 0]
+    few = [f for f in fixed if not _decided(vs[f])]
     out["beats_all_mean"] = len(above) == len(fixed)
     out["beats_all_ci"] = len(sig) == len(fixed)
-    n = L["n_seeds"]
+    out["below_ci"], out["few_seeds"] = below, few
     best = max(fixed, key=lambda f: arms[f]["final_beyond"])
     one_task = (1.0 / rep["eval_tasks_beyond"]) if rep.get("eval_tasks_beyond") else None
     lines = []
     equal = "at equal budget" if rep["budget"]["equal"] else "(note: budget spent differs between arms, see the table)"
+    ns = sorted({vs[f]["n"] for f in fixed})
+    over = f"{ns[0]}" if len(ns) == 1 else f"{ns[0]}–{ns[-1]}"
+    means = (f"means alone (no conclusion): `{learned}` {L['final_beyond']:.3f} (n={L['n_seeds']}) is "
+             + ("above every fixed heuristic's" if out["beats_all_mean"] else
+                "not above " + ", ".join(f"`{f}` ({arms[f]['final_beyond']:.3f}, n={arms[f]['n_seeds']})"
+                                         for f in fixed if f not in above)))
     if out["beats_all_ci"]:
+        out["answer"] = "yes"
         lines.append(f"**Yes**: `{learned}` ends with higher held-out success beyond the boundary than every fixed "
                      f"heuristic {equal}: {L['final_beyond']:.3f} vs at most {arms[best]['final_beyond']:.3f} "
-                     f"(`{best}`), every paired 95% interval over {n} seeds above 0.")
-    elif out["beats_all_mean"]:
-        why = ("a single seed gives no interval" if n < 2 else
-               "the paired 95% interval includes 0 against " + ", ".join(f"`{f}`" for f in fixed if f not in sig))
-        lines.append(f"**Not shown**: `{learned}`'s mean final success beyond the boundary "
-                     f"({L['final_beyond']:.3f}) is above every fixed heuristic's {equal} (best fixed: `{best}`, "
-                     f"{arms[best]['final_beyond']:.3f}), but {why}.")
+                     f"(`{best}`), every paired 95% interval over {over} seeds above 0.")
+    elif below:
+        out["answer"] = "no"
+        lines.append(f"**No**: {equal}, `{learned}` ends below "
+                     + ", ".join(f"`{f}` ({vs[f]['final_beyond_diff']:+.3f}, "
+                                 f"{_ci_words(vs[f]['final_beyond_diff_ci'], vs[f]['n'])})" for f in below)
+                     + " beyond the boundary, the paired interval below 0.")
+    elif few:
+        out["answer"] = "not enough seeds"
+        lines.append(f"**Not enough seeds**: {equal}, the paired comparison of `{learned}` with "
+                     + ", ".join(f"`{f}` (n={vs[f]['n']})" for f in few)
+                     + f" has fewer than {MIN_SEEDS} seeds both finished, too few for its interval to decide; "
+                     + means + ".")
     else:
-        lines.append(f"**No**: {equal}, `{learned}`'s final success beyond the boundary ({L['final_beyond']:.3f}) is "
-                     + ("not above " if not below else "below ")
-                     + ", ".join(f"`{f}` ({arms[f]['final_beyond']:.3f})" for f in fixed if f not in above) + ".")
+        out["answer"] = "not shown"
+        lines.append(f"**Not shown**: {equal}, the paired 95% interval of `{learned}` − arm over {over} seeds "
+                     "includes 0 against " + ", ".join(f"`{f}`" for f in fixed if f not in sig)
+                     + " (and lies below 0 against none); " + means + ".")
     top = max(arms[a]["final_beyond"] for a in arms)
     if one_task is not None and top < 0.05:
         lines.append(f"Beyond-boundary success is near zero for every arm (highest {top:.3f}); one held-out task "
                      f"moves that rate by {one_task:.4f} ({rep['eval_tasks_beyond']} tasks per evaluation), so these "
                      "differences amount to a few tasks.")
     # budget to reach the none arm's final success, on the easy levels and beyond the boundary
+    # (each arm paired with `none` over the seeds both finished: the target is `none`'s mean over those seeds)
+    shared = L.get("budget_to_match_none_seeds") or []
+    over = ("" if "none" not in arms or len(shared) == arms["none"]["n_seeds"] else
+            f", over the {len(shared)} seed{'s' if len(shared) != 1 else ''} it shares with `none`")
     for which, field, target, flag in (
-            ("easy-level", "budget_to_match_none", rep.get("none_final_easy"), "less_budget_than_all"),
-            ("beyond-boundary", "budget_to_match_none_beyond", rep.get("none_final_beyond"),
+            ("easy-level", "budget_to_match_none", L.get("budget_to_match_none_target"), "less_budget_than_all"),
+            ("beyond-boundary", "budget_to_match_none_beyond", L.get("budget_to_match_none_beyond_target"),
              "less_budget_than_all_beyond")):
         out[flag] = None
+        if rep.get(f"none_final_{'easy' if which == 'easy-level' else 'beyond'}") is None:
+            continue
         if target is None or not math.isfinite(target):
             continue
         need = {a: arms[a].get(field) for a in [learned, *fixed] if a in arms}
@@ -602,22 +742,26 @@ def compare(rep: dict, learned: str = "rail") -> dict:
         theirs = ", ".join(f"`{f}` {'never' if v is None else f'{v:.0f}'}" for f, v in others.items())
         if ln is None:
             lines.append(f"`{learned}` never reached the `none` arm's final {which} success "
-                         f"({target:.3f}) at an evaluation" + (f" (the others: {theirs})." if theirs else "."))
+                         f"({target:.3f}{over}) at an evaluation" + (f" (the others: {theirs})." if theirs else "."))
         else:
             lines.append(f"`{learned}` first reached the `none` arm's final {which} success "
-                         f"({target:.3f}) after {ln:.0f} budget units"
+                         f"({target:.3f}{over}) after {ln:.0f} budget units"
                          + (f"; the other fixed heuristics: {theirs}" + (", so it needed the least budget." if less else ".")
                             if theirs else "."))
     missing = [a for a in rep.get("arms_missing", []) if a not in arms]
     if missing:
         lines.append("Not compared (no finished run): " + ", ".join(f"`{a}`" for a in missing) + ".")
+    if rep.get("missing"):
+        lines.append(f"Over the finished runs only: {len(rep['missing'])} of {rep['jobs_planned']} planned jobs have no "
+                     "summary.json (listed at the top of report.md).")
     out["text"] = " ".join(lines)
     return out
 
 
 # ---------------------------------------------------------------------------- entry points
-def write_report(root: Path, parent=None, figures: bool = True) -> dict:
-    """Write report.md, report.json and the figures into ``root``; log them to the parent run if any."""
+def write_report(root: Path, parent=None, figures: bool = True, out: Path | None = None) -> dict:
+    """Write report.md, report.json and the figures into ``out`` (default: ``root``, the ablation directory);
+    log them to the parent run if any."""
     from policy.fileio import write_text_atomic
 
     root = Path(root)
@@ -635,14 +779,21 @@ def write_report(root: Path, parent=None, figures: bool = True) -> dict:
     rep["versus_learned"] = versus_learned(rep)
     rep["versus_best_fixed"] = versus_best_fixed(rep)
     rep["after_shift"] = after_shift(rep)
-    rep["figures"] = draw_figures(rep, root) if figures else []
+    for a in rep["arms"].values():  # the runs themselves: every paired figure is computed by now
+        a.pop("_seed_runs", None)
+    if rep["missing"]:
+        import warnings
+        warnings.warn(f"{root}: {missing_text(rep)}; the report covers the finished runs only", stacklevel=2)
+    dest = root if out is None else Path(out)
+    dest.mkdir(parents=True, exist_ok=True)
+    rep["figures"] = draw_figures(rep, dest) if figures else []
     public = json.loads(json.dumps(rep, default=float))
     for a in public["arms"].values():
         a.pop("_choices_series", None)
         a.pop("_cells_series", None)
-    write_text_atomic(root / "report.json", json.dumps(public, indent=1, sort_keys=True))
-    write_text_atomic(root / "report.md", format_markdown(rep))
-    _log_to_parent(root, state, public, parent)
+    write_text_atomic(dest / "report.json", json.dumps(public, indent=1, sort_keys=True))
+    write_text_atomic(dest / "report.md", format_markdown(rep))
+    _log_to_parent(dest, state, public, parent)
     return public
 
 

@@ -10,7 +10,53 @@ from typing import Any
 import numpy as np
 
 from rail.lab import adaptivity
-from rail.lab.report_common import cell_order, mean, smooth
+from rail.lab.report_common import MIN_SEEDS, cell_order, mean, smooth
+
+#: The margin around rates on a figure's y-axis, and the least span it shows.
+PAD, MIN_SPAN = 0.02, 0.05
+
+
+def rate_ylim(values, floor_zero: bool = False) -> tuple[float, float]:
+    """Y-limits for rates: around ``values`` (means and intervals, each clipped to [0, 1]) with a small margin,
+    never beyond [−PAD, 1 + PAD] and at least MIN_SPAN tall; from 0 with ``floor_zero`` (bars)."""
+    v = [min(max(float(x), 0.0), 1.0) for x in values if x is not None and math.isfinite(x)]
+    if not v:
+        return (0.0 if floor_zero else -PAD), MIN_SPAN
+    lo, hi = min(v), max(v)
+    margin = max(PAD, 0.08 * (hi - lo))
+    bottom = 0.0 if floor_zero else max(-PAD, lo - margin)
+    top = min(1.0 + PAD, max(hi + margin, bottom + MIN_SPAN))
+    return min(bottom, top - MIN_SPAN), top
+
+
+def _shown(arm: dict) -> bool:
+    """Whether an arm's intervals are drawn and scale an axis: from MIN_SEEDS seeds on."""
+    return arm["n_seeds"] >= MIN_SEEDS
+
+
+def curve_ylim(rep: dict, k: str) -> tuple[float, float]:
+    """learning_curves.png's y-limits for ``k`` (``beyond``, ``easy``): the seed means of every arm and the
+    (clipped) bands of the arms with at least MIN_SEEDS seeds."""
+    arms = rep["arms"]
+    vals = [v for a in rep["arms_order"] for v in arms[a]["curve"][k]]
+    vals += [b for a in rep["arms_order"] if _shown(arms[a]) for iv in arms[a]["curve"][f"{k}_ci"] if iv for b in iv]
+    return rate_ylim(vals)
+
+
+def bar_ylim(rep: dict) -> tuple[float, float]:
+    """final_beyond.png's y-limits: from 0 to above the means, the initial level and the (clipped) intervals
+    of the arms with at least MIN_SEEDS seeds."""
+    arms = rep["arms"]
+    vals = [arms[a]["final_beyond"] for a in rep["arms_order"]]
+    vals += [mean(arms[a]["initial_beyond"] for a in rep["arms_order"])]
+    vals += [b for a in rep["arms_order"] if _shown(arms[a]) and arms[a]["final_beyond_ci"]
+             for b in arms[a]["final_beyond_ci"]]
+    return rate_ylim(vals, floor_zero=True)
+
+
+def _label(arm: str, v: dict) -> str:
+    """An arm's name on a figure, ``†`` and its number of seeds when that is under MIN_SEEDS."""
+    return arm if _shown(v) else f"{arm} (n={v['n_seeds']}†)"
 
 
 def _by_operator(series: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -54,19 +100,18 @@ def draw_figures(rep: dict, root: Path) -> list[str]:
             c = arms[a]["curve"]
             x = np.array(c["budget_spent"], dtype=float)
             y = np.array([np.nan if v is None else v for v in c[k]], dtype=float)
-            ax.plot(x, y, marker="o", ms=3, lw=2 if a == "rail" else 1.3, color=col[a], label=a)
+            ax.plot(x, y, marker="o", ms=3, lw=2 if a == "rail" else 1.3, color=col[a], label=_label(a, arms[a]))
             ci = c[f"{k}_ci"]
-            if arms[a]["n_seeds"] >= 2 and all(ci):
+            if _shown(arms[a]) and ci and all(ci):
                 ax.fill_between(x, [v[0] for v in ci], [v[1] for v in ci], color=col[a], alpha=0.12, lw=0)
-        top = max([v for a in order for v in arms[a]["curve"][k] if v is not None]
-                  + [iv[1] for a in order for iv in arms[a]["curve"][f"{k}_ci"] if iv] + [0.0])
-        ax.set_ylim(-0.02, max(0.05, 1.1 * top))
+        ax.set_ylim(*curve_ylim(rep, k))
         ax.set_title(f"held-out unguided success, {title}")
         ax.set_xlabel(f"budget spent ({_unit(rep)})")
         ax.set_ylabel("success (pass@1)")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8, ncol=2, loc="best")
-    band = "mean over seeds, 95% t-band" if n_seeds >= 2 else "one seed"
+    band = (f"mean over seeds, 95% t-band from {MIN_SEEDS} seeds on; † fewer seeds, no band" if n_seeds >= MIN_SEEDS
+            else f"mean over seeds; † fewer than {MIN_SEEDS} seeds: no band")
     fig.suptitle(f"ablation {rep.get('ablation')}: learning curves ({band})")
     fig.tight_layout()
     fig.savefig(root / "learning_curves.png", dpi=110)
@@ -76,19 +121,22 @@ def draw_figures(rep: dict, root: Path) -> list[str]:
     # final beyond success per arm with its interval
     fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(order) + 2), 4))
     means = [np.nan if arms[a]["final_beyond"] is None else arms[a]["final_beyond"] for a in order]
-    cis = [arms[a]["final_beyond_ci"] or [m, m] for a, m in zip(order, means)]
-    lo = [m - c[0] for m, c in zip(means, cis)]
-    hi = [c[1] - m for m, c in zip(means, cis)]
-    ax.bar(range(len(order)), means, yerr=[lo, hi], color=[col[a] for a in order], capsize=4)
+    ax.bar(range(len(order)), means, color=[col[a] for a in order])
+    shown = [i for i, a in enumerate(order) if _shown(arms[a]) and arms[a]["final_beyond_ci"] and np.isfinite(means[i])]
+    if shown:  # intervals from MIN_SEEDS seeds on (clipped to [0, 1])
+        cis = [arms[order[i]]["final_beyond_ci"] for i in shown]
+        ax.errorbar(shown, [means[i] for i in shown], fmt="none", ecolor="k", capsize=4,
+                    yerr=[[max(means[i] - c[0], 0.0) for i, c in zip(shown, cis)],
+                          [max(c[1] - means[i], 0.0) for i, c in zip(shown, cis)]])
     init = mean(arms[a]["initial_beyond"] for a in order)
     if init is not None:
         ax.axhline(init, color="k", lw=1, ls="--", label=f"initial ({init:.3f})")
         ax.legend(fontsize=8)
-    tops = [c[1] for c in cis if c[1] is not None and np.isfinite(c[1])]
-    ax.set_ylim(0, max([0.05, *(1.15 * t for t in tops)]))
-    ax.set_xticks(range(len(order)), order, rotation=30, ha="right")
+    ax.set_ylim(*bar_ylim(rep))
+    ax.set_xticks(range(len(order)), [_label(a, arms[a]) for a in order], rotation=30, ha="right")
     ax.set_ylabel("final success beyond the boundary")
-    ax.set_title(f"final held-out success beyond the boundary ({band})")
+    ax.set_title(f"final held-out success beyond the boundary\n(mean over seeds; 95% interval from {MIN_SEEDS} seeds "
+                 "on, † fewer seeds: none)", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(root / "final_beyond.png", dpi=110)
