@@ -203,7 +203,7 @@ class GRPOLearner:
         self.rehearsal_source = rehearsal_source
         self.s = settings
         self.pad_id = pad_id
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.lr, weight_decay=settings.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(settings.schedule, settings.warmup_steps, total_steps))
         self.loss = grpo.LossSettings(eps_low=settings.eps_low, eps_high=settings.eps_high,

@@ -70,6 +70,8 @@ def quiet_io():
 def load_policy(path: str | os.PathLike) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a Hugging Face causal LM and its tokenizer from a local directory (safetensors only)."""
     p = Path(path)
+    if (p / "adapter_config.json").is_file() and not (p / "config.json").is_file():
+        return _load_adapters(p)
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"{p}: not a Hugging Face model directory (no config.json)")
     try:
@@ -79,6 +81,25 @@ def load_policy(path: str | os.PathLike) -> tuple[PreTrainedModel, PreTrainedTok
     except Exception as e:  # corrupt or partial files: say which directory and what to do
         raise ValueError(f"{p}: cannot load the model or tokenizer ({e}); is the directory complete?") from e
     return model, tokenizer
+
+
+def _load_adapters(p: Path):
+    """A checkpoint of LoRA adapters (:mod:`policy.lora`): the base it names, with the adapters."""
+    import json
+
+    from policy.lora import load_adapters
+
+    base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    if not (Path(base) / "config.json").is_file():
+        raise FileNotFoundError(f"{p}: holds LoRA adapters for the base model {base!r}, which is not there (a "
+                                "warm-start cache that was removed?); restore it or train again")
+    model, _ = load_policy(base)
+    try:
+        with quiet_io():
+            tokenizer = _load_tokenizer(p) if (p / "tokenizer_config.json").is_file() else _load_tokenizer(Path(base))
+            return load_adapters(model, p), tokenizer
+    except Exception as e:
+        raise ValueError(f"{p}: cannot load the adapters ({e}); is the directory complete?") from e
 
 
 def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:

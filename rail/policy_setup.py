@@ -21,6 +21,7 @@ import torch
 
 from policy.fileio import write_text_atomic
 from policy.learner import sft_loss
+from policy.lora import merged
 from policy.model import build_tiny_model, load_policy, load_tokenizer, resolve_device, save_policy
 from policy.records import Origin, Trajectory
 from policy.tokenizer import ChatRenderer, build_word_tokenizer
@@ -170,7 +171,10 @@ def _cache_key(cfg: Config, base: str, demos: str) -> str:
     families, seeds and tool format, ``base`` (the built-in vocabulary, or a checkpoint's fingerprint) and
     ``demos`` (:func:`demonstrations_digest`)."""
     ws = {k: v for k, v in cfg.to_dict()["warmstart"].items() if k != "cache_dir"}
-    key = {"v": CACHE_VERSION, "model": cfg.to_dict()["model"], "warmstart": ws, "families": cfg.env.families,
+    model = {k: v for k, v in cfg.to_dict()["model"].items() if k != "cache_dir" and not k.startswith("lora_")}
+    if cfg.model.lora_rank and cfg.model.path:  # the warm start trains adapters (merged into the cached model)
+        model.update({k: v for k, v in cfg.to_dict()["model"].items() if k.startswith("lora_")})
+    key = {"v": CACHE_VERSION, "model": model, "warmstart": ws, "families": cfg.env.families,
            "env_seed": cfg.env.seed, "seed": cfg.run.seed, "vocab": base, "demonstrations": demos}
     if cfg.env.options:  # (keys without options predate the field)
         key["env_options"] = cfg.env.options
@@ -284,7 +288,7 @@ def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg:
     ws = cfg.warmstart
     steps = ws.steps if steps is None else steps
     batches = demonstration_stream(renderer, envs, cfg) if batches is None else batches
-    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=ws.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + np.cos(np.pi * min(1.0, i / steps))))
     model.train()
     losses = []
@@ -368,7 +372,7 @@ def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
         path = model_dir(cfg, progress)
         model, tok = load_policy(path)
         if not cfg.warmstart.enabled:
-            return model.to(device), tok, {"source": cfg.model.path, "warmstart": "disabled"}
+            return with_adapters(model.to(device), cfg, path), tok, {"source": cfg.model.path, "warmstart": "disabled"}
         source = cfg.model.path
     else:
         model, source = None, "built-in"
@@ -381,7 +385,8 @@ def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
         try:
             model, tok = load_policy(cache)
             check = json.loads((cache / CHECK).read_text()) if (cache / CHECK).is_file() else None
-            return model.to(device), tok, {"source": source, "warmstart": f"cached ({cache})", "warmstart_check": check}
+            return (with_adapters(model.to(device), cfg, cache), tok,
+                    {"source": source, "warmstart": f"cached ({cache})", "warmstart_check": check})
         except (ValueError, OSError) as e:
             log.warning("warm-start cache %s unreadable (%s); rebuilding it", cache, e)
             if cfg.model.path:
@@ -395,16 +400,43 @@ def make_policy(cfg: Config, envs: dict[str, Environment], progress=None):
     model.to(device)  # built or loaded on the CPU (the same weights wherever it trains)
     info = {"source": source, "warmstart": "disabled"}
     if cfg.warmstart.enabled:
+        if cfg.model.lora_rank and cfg.model.path:  # a pretrained model warm-starts in adapters too, cached merged
+            model = with_adapters(model, cfg, None)
+        else:
+            checkpointing(model, cfg)
         losses, check = train_warm_start(model, ChatRenderer(tok), envs, cfg, progress)
         if not check["met"]:
             cache.mkdir(parents=True, exist_ok=True)
             write_text_atomic(cache / FAILED, json.dumps(check))
             raise RunError(_check_message(check, cfg, cache))
+        model = merged(model)
         save_policy(model, tok, cache)
         write_text_atomic(cache / CHECK, json.dumps(check))
         info = {"source": source, "warmstart": f"trained ({cache})", "warmstart_final_loss": losses[-1],
                 "warmstart_check": check}
-    return model, tok, info
+    return with_adapters(model, cfg, cache), tok, info
+
+
+def with_adapters(model, cfg: Config, base: str | Path | None):
+    """``model`` with fresh LoRA adapters when ``model.lora_rank`` > 0 (:mod:`policy.lora`), else itself; with
+    activation checkpointing when ``model.activation_checkpointing``. ``base``: the directory holding
+    ``model``'s weights, which a checkpoint of the adapters names (None: the adapters are merged before anything
+    is saved, as the warm start's are)."""
+    checkpointing(model, cfg)
+    if not cfg.model.lora_rank:
+        return model
+    from policy.lora import apply_lora
+
+    m = cfg.model
+    return apply_lora(model, m.lora_rank, m.lora_alpha, m.lora_targets, base)
+
+
+def checkpointing(model, cfg: Config):
+    """Turn on activation checkpointing for training when ``model.activation_checkpointing`` (a no-op
+    otherwise, and in eval mode: the engines generate with the model in eval mode, so their KV caches stay)."""
+    if cfg.model.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 #: in a warm-start cache directory: the check of the warm start it holds, or of one that missed its target

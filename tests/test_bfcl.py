@@ -183,15 +183,16 @@ def test_split_is_by_scenario_the_same_in_every_category(env):
         make_env("bfcl", 0).sample_tasks(np.random.default_rng(0), [8], 1)
 
 
-def test_bfcl_needs_a_checkpoint_with_its_own_tokenizer():
+def test_bfcl_needs_a_checkpoint_with_its_own_tokenizer(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # validation looks for a model directory, loads nothing
     with pytest.raises(ConfigError, match="'bfcl' has no closed vocabulary"):
         build_config("smoke", sets=[{"env": {"families": ["bfcl"]}}])
     cfg = build_config("smoke", sets=[{"env": {"families": ["bfcl"], "options": {"bfcl": {"docs": "compact"}}},
-                                       "model": {"path": "/nonexistent"}}])
+                                       "model": {"path": str(tmp_path)}}])
     assert cfg.env.options == {"bfcl": {"docs": "compact"}}
     with pytest.raises(ConfigError, match="unexpected keyword argument 'split'"):
         build_config("smoke", sets=[{"env": {"families": ["bfcl"], "options": {"bfcl": {"split": 1}}},
-                                     "model": {"path": "/nonexistent"}}])
+                                     "model": {"path": str(tmp_path)}}])
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,7 @@ def test_dotted_set_writes_into_the_options_table():
         build_config("smoke", sets=[parse_set("env.options=3")])
 
 
-def test_an_environment_without_a_vocabulary_needs_a_checkpoint():
+def test_an_environment_without_a_vocabulary_needs_a_checkpoint(tmp_path):
     class NoVocab:  # everything but vocabulary()
         levels = (1,)
 
@@ -86,7 +86,10 @@ def test_an_environment_without_a_vocabulary_needs_a_checkpoint():
     assert check_family("_rail_test_novocab:NoVocab") is NoVocab
     with pytest.raises(ConfigError, match="no closed vocabulary.*model.path"):
         build_config("smoke", sets=[{"env": {"families": ["_rail_test_novocab:NoVocab"]}}])
-    build_config("smoke", sets=[{"env": {"families": ["_rail_test_novocab:NoVocab"]}, "model": {"path": "x"}}])
+    with pytest.raises(ConfigError, match="model.path = 'x': not a Hugging Face model directory"):
+        build_config("smoke", sets=[{"env": {"families": ["_rail_test_novocab:NoVocab"]}, "model": {"path": "x"}}])
+    (tmp_path / "config.json").write_text("{}")  # a model directory; validation loads nothing
+    build_config("smoke", sets=[{"env": {"families": ["_rail_test_novocab:NoVocab"]}, "model": {"path": str(tmp_path)}}])
 
 
 # ---------------------------------------------------------------------------- named calls, never evaluated
