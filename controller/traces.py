@@ -9,6 +9,7 @@ predictions) and ``_learn_seq``.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from controller import estimators
@@ -182,3 +183,68 @@ def format_evaluation(res: dict) -> str:
         lines.append(f"{name:24s} {d['ips']['value']:8.4f} {d['snips']['value']:8.4f} {d['dr']['value']:8.4f}   "
                      f"[{d['dr']['lower']:.4f}, {d['dr']['upper']:.4f}]")
     return "\n".join(lines)
+
+
+_EVENT_ID = re.compile(r"s(\d+)-g?(.+)#\d+")
+_ACTION = re.compile(r"(.+@[^x]+?)x(\d+)(?:,m=(\d+))?")
+
+
+def event_step(ev: dict) -> int | None:
+    """The training step of an event, from its id (``s<step>-g<group>#<n>``); None for an id of another form."""
+    m = _EVENT_ID.fullmatch(str(ev.get("EventId", "")))
+    return int(m.group(1)) if m else None
+
+
+def action_words(name: str) -> str:
+    """A logged action name in words: ``rubric_hint@startx2`` -> ``rubric_hint@start x2``, an action guide's plan
+    length as ``plan 3``; ``none`` as is."""
+    m = _ACTION.fullmatch(name)
+    if not m:
+        return name
+    return f"{m.group(1)} x{m.group(2)}" + (f" plan {m.group(3)}" if m.group(3) else "")
+
+
+def describe(ev: dict) -> str:
+    """One decision in plain words: step, cell, group (and round after the first), what was chosen with its
+    propensity and the mode, the heuristic's choice where it differs, the outcome of an intervention that ran,
+    and the reward the bandit learned."""
+    check_logged(ev)
+    s = ev.get("c", {}).get("s", {}) if isinstance(ev.get("c"), dict) else {}
+    cell = s.get("family_level") or f"{s.get('family', '?')}/{s.get('level', '?')}"
+    m = _EVENT_ID.fullmatch(str(ev.get("EventId", "")))
+    where = f"step {m.group(1)}  {cell} group {m.group(2)}" if m else f"{ev.get('EventId', '?')}  {cell}"
+    rnd = s.get("round", 0)
+    if isinstance(rnd, (int, float)) and rnd > 0:
+        where += f" round {int(rnd)}"
+    acts, i = ev["_actions"], ev["_labelIndex"]
+    how = f"p={float(ev['_label_probability']):.2f}, {ev['_mode']}"
+    h = max(range(len(acts)), key=lambda k: ev["_h"][k])
+    if h != i:
+        how += f"; heuristic: {action_words(acts[h])}"
+    line = f"{where}: chose {action_words(acts[i])} ({how})"
+    out = ev.get("_outcome") if isinstance(ev.get("_outcome"), dict) else {}
+    if "rollouts" in out:
+        line += f"; {out.get('successes', 0)}/{out['rollouts']} succeeded"
+        if out.get("accepted", out["rollouts"]) != out["rollouts"]:
+            line += f", {out['accepted']} accepted"
+        if "absorbed" in out:
+            line += f", absorbed {out['absorbed']:.3g}"
+    return f"{line}; reward {-float(ev['_label_cost']):.2f}"
+
+
+def show(path: str | Path, limit: int | None = None, step: int | None = None) -> list[str]:
+    """The decisions of a trace in plain words (:func:`describe`), one per line, in learn order: those of ``step``
+    only when given, the first ``limit`` of them and a last line counting the rest."""
+    p = Path(path)
+    events = read(p)
+    if step is not None:
+        chosen = [e for e in events if event_step(e) == step]
+        if not chosen:
+            steps = sorted({s for s in map(event_step, events) if s is not None})
+            span = f"its steps: {steps[0]}..{steps[-1]}" if steps else "its events name no step"
+            raise TraceError(f"--step {step}: no decision at that step in {p} ({span})")
+        events = chosen
+    lines = [describe(e) for e in events[:limit]]
+    if limit is not None and len(events) > limit:
+        lines.append(f"... {len(events) - limit} more (--limit)")
+    return lines

@@ -73,7 +73,7 @@ def save_checkpoint(root: Path, step: int, model, tokenizer, optimizer_state: di
         prev = sorted(p.name for p in root.glob("step_*") if p.is_dir() and p.name != name and STEP_DIR.fullmatch(p.name))
         kept = f"the earlier checkpoints (newest {prev[-1]}) are untouched" if prev else "no earlier checkpoint exists"
         raise CheckpointError(f"{root}: cannot write checkpoint {name} ({type(e).__name__}: {e}); {kept}. "
-                              "Free space or fix the directory, then resume with `rail train --resume`") from None
+                              "Free space or fix the directory, then resume the run with `rail resume RUN`") from None
     finally:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

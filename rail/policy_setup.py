@@ -171,7 +171,8 @@ def _cache_key(cfg: Config, base: str, demos: str) -> str:
     families, seeds and tool format, ``base`` (the built-in vocabulary, or a checkpoint's fingerprint) and
     ``demos`` (:func:`demonstrations_digest`)."""
     ws = {k: v for k, v in cfg.to_dict()["warmstart"].items() if k != "cache_dir"}
-    model = {k: v for k, v in cfg.to_dict()["model"].items() if k != "cache_dir" and not k.startswith("lora_")}
+    model = {k: v for k, v in cfg.to_dict()["model"].items()
+             if k not in ("cache_dir", "activation_checkpointing") and not k.startswith("lora_")}
     if cfg.model.lora_rank and cfg.model.path:  # the warm start trains adapters (merged into the cached model)
         model.update({k: v for k, v in cfg.to_dict()["model"].items() if k.startswith("lora_")})
     key = {"v": CACHE_VERSION, "model": model, "warmstart": ws, "families": cfg.env.families,

@@ -20,6 +20,8 @@ def rollout(t: Any, logprobs: bool = False) -> controller.Rollout:
     rubric progress and first violation, tool calls, tokens; with ``logprobs``, the behaviour log-probs of the
     tokens the policy sampled (only the context of a group decided for reads them)."""
     rb = t.rubric
+    if rb is not None and not rb.holds:
+        rb = None  # a task without a rubric item: no progress recorded, so any failed rollout can be a source
     calls, failed = t.tool_calls()
     lps = [lp for lp, o in zip(t.logprobs, t.origin) if o == Origin.POLICY] if logprobs else ()
     return controller.Rollout(t.reward, succeeded(t.reward), None if rb is None else rb.progress,

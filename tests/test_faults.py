@@ -271,7 +271,7 @@ def test_no_usable_checkpoint_is_one_line_naming_each(tmp_path, finished, capsys
     out = copy_run(src, tmp_path / "run")
     for step in ("step_000001", "step_000002"):
         _flip_a_byte(out / "checkpoints" / step / "optimizer.pt")
-    line = one_line_error(run_main(capsys, "train", "--resume", str(out), "--no-progress"), "step_000001", "step_000002",
+    line = one_line_error(run_main(capsys, "resume", str(out), "--no-progress"), "step_000001", "step_000002",
                           "optimizer.pt", "start this run again from the beginning", rc=1)
     assert "checksum" in line
 
@@ -309,7 +309,7 @@ def test_trace_missing_checkpointed_events_falls_back_or_refuses(tmp_path, finis
     # cut inside the first event: no checkpoint's events are all there -> refused, naming the trace
     out = copy_run(src, tmp_path / "cut")
     (out / "traces" / "decisions.dsjson").write_bytes(data[:40])
-    one_line_error(run_main(capsys, "train", "--resume", str(out), "--no-progress"), "decisions.dsjson",
+    one_line_error(run_main(capsys, "resume", str(out), "--no-progress"), "decisions.dsjson",
                    "holds 0 intact events", rc=1)
 
 
@@ -324,7 +324,7 @@ def test_second_process_on_the_same_out_is_refused_naming_the_first(tmp_path, fi
     holders = [RunLock(out), RunLock(empty)]  # what a running `rail train` holds, from its start to its end
     try:
         pid = f"pid {os.getpid()}"
-        one_line_error(cli("train", "--resume", str(out), "--no-progress"), pid, str(out), rc=1)  # two resumes
+        one_line_error(cli("resume", str(out), "--no-progress"), pid, str(out), rc=1)  # two resumes
         one_line_error(run_main(capsys, *small_args(empty, ws_cache)), pid, rc=1)  # two fresh starts (flock: per
         # open file, so this process's second open is refused like another process's)
     finally:
@@ -366,7 +366,7 @@ def test_disk_full_during_a_checkpoint_on_a_small_tmpfs(tmp_path, ws_cache, fini
               f"'{sys.executable}' -m rail.cli {args}; rc=$?; cp -a '{mnt}/run' '{tmp_path}/run'; exit $rc")
     r = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    one_line_error(r, "cannot write checkpoint step_000002", "step_000001", "--resume", rc=1)
+    one_line_error(r, "cannot write checkpoint step_000002", "step_000001", "rail resume", rc=1)
     out = tmp_path / "run"
     assert (out / "checkpoints" / "latest").read_text() == "step_000001\n"
     assert not list((out / "checkpoints").glob(".step_*"))
@@ -422,9 +422,9 @@ def test_damaged_config_json_on_resume_and_eval(tmp_path, finished, capsys):
     src, _ = finished
     out = copy_run(src, tmp_path / "run")
     (out / "config.json").write_bytes(b"\xff" + (src / "config.json").read_bytes())
-    one_line_error(run_main(capsys, "train", "--resume", str(out)), "config.json", "not UTF-8", rc=2)
+    one_line_error(run_main(capsys, "resume", str(out)), "config.json", "not UTF-8", rc=2)
     (out / "config.json").write_bytes((src / "config.json").read_bytes()[:100])
-    one_line_error(run_main(capsys, "eval", "--checkpoint", str(out)), "config.json", "not valid JSON", "restore", rc=2)
+    one_line_error(run_main(capsys, "eval", str(out)), "config.json", "not valid JSON", "restore", rc=2)
 
 
 def run_main(capsys, *args):

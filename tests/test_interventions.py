@@ -112,6 +112,24 @@ def test_illegal_interventions_are_refused(env, tok, task):
     assert plan_for(Intervention("resample", "before", 2), first, task, env) is None
 
 
+def test_a_task_without_rubric_or_action_guide_keeps_the_operators_that_need_neither(env, tok, task):
+    """docs/environments.md, "Without rubrics or action guides": resampling from the start or the most uncertain
+    turn (at any temperature) stays legal; the operators and branch points that need a violated item do not."""
+    import dataclasses
+    bare = dataclasses.replace(task, rubric=(), action_guide=())
+    src = failed_at_second_call(env, task, ChatRenderer(tok))
+    src.reward, src.rubric = env.reward(bare, src.steps), rubric_status(env, bare, src.steps)
+    menu = ivs.menu_items([f"{h}@{w}" for h in ivs.HOWS for w in ivs.WHERES], [2], [0.7, 1.3], 0.7)
+    assert sorted({iv.key for iv in ivs.legal([src], menu)}) == [
+        "resample@entropy", "resample@entropy:1.3", "resample@start", "resample@start:1.3"]
+    p = plan_for(Intervention("resample", "start", 2), src, bare, env)
+    assert p is not None and p.item is None and all(r.guidance is None for r in p.requests)
+    # the actguide controller's plans of a fixed length need an action guide only, not a rubric
+    guided = dataclasses.replace(task, rubric=())
+    assert ivs.legal([src], [Intervention("action_guide", "start", 2, plan_len=1)])
+    assert plan_for(Intervention("action_guide", "start", 2, plan_len=1), src, guided, env).requests[0].guidance.plan
+
+
 def test_token_costs_are_cheaper_for_late_branches(env, tok, task):
     src = failed_at_second_call(env, task, ChatRenderer(tok))
     src.n_generated = sum(1 for o in src.origin if o == Origin.POLICY)

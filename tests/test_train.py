@@ -180,7 +180,7 @@ def test_broken_verifier_gives_reward_0_counted_and_the_step_goes_on(tmp_path, c
 def test_existing_run_directory_is_not_overwritten(tmp_path, cache_dir):
     cfg = smoke(tmp_path, cache_dir)
     start_run(cfg, show_progress=False)[0].run()
-    with pytest.raises(RunError, match="--resume"):
+    with pytest.raises(RunError, match="rail resume"):
         start_run(cfg, show_progress=False)
 
 
@@ -199,7 +199,7 @@ def test_sigkill_then_resume_finishes_the_same_run(tmp_path, cache_dir):
               "--set", "run.steps=6", "--set", "run.checkpoint_every=2", "--set", "eval.every=100"]
     _kill_after_checkpoint(["train", *common, "--out", str(out)], out, "step_000002")
     assert not (out / "summary.json").exists()
-    r = cli("train", "--resume", str(out), "--no-progress")
+    r = cli("resume", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr
     s = json.loads((out / "summary.json").read_text())
     assert s["steps"] == 6 and s["budget"]["spent"]["total"] == 6 * 16
@@ -263,7 +263,7 @@ def test_smoke_trace_parses_with_vw_and_replays_to_the_checkpointed_controller(t
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert res["events"] == len(lines) and "learned" in res["policies"]
-    assert cli("traces", "evaluate", str(tmp_path / "nowhere")).returncode == 1
+    assert cli("traces", "evaluate", str(tmp_path / "nowhere")).returncode == 2
     # every name this run logged (base, intervention, shift, controller, eval, summary) is defined in the docs
     logged = {k for ln in (out / "metrics.jsonl").read_text().splitlines() for k in json.loads(ln) if k != "step"}
     assert any(k.startswith("controller/") for k in logged) and "shift/measured" in logged
@@ -289,7 +289,7 @@ def test_a_run_starts_from_an_earlier_runs_controller(tmp_path, cache_dir):
     assert f"started from {src / 'traces' / 'decisions.dsjson'} ({n} decisions replayed" in r.stdout
     assert len((out / "traces" / "decisions.dsjson").read_text().splitlines()) == s["controller_state"]["events"]
     bad = cli("train", "--preset", "smoke", "--controller-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "c"))
-    assert bad.returncode == 2 and "controller.init_from" in bad.stderr and not (tmp_path / "c").exists()
+    assert bad.returncode == 2 and "--controller-from" in bad.stderr and not (tmp_path / "c").exists()
 
 
 def test_the_learning_reward_measures_what_the_policy_absorbs(tmp_path, cache_dir, monkeypatch):
@@ -346,7 +346,7 @@ def test_eval_checkpoint_cli(tmp_path, cache_dir):
     cfg = smoke(tmp_path, cache_dir)
     trainer, out = start_run(cfg, show_progress=False)
     trainer.run()
-    r = cli("eval", "--checkpoint", str(out), "--json", "--tasks-per-level", "2")
+    r = cli("eval", str(out), "--json", "--tasks-per-level", "2")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert set(res) == {"lookup", "calc", "kin"} and all(0.0 <= v <= 1.0 for d in res.values() for v in d.values())

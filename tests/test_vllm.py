@@ -237,7 +237,7 @@ def test_smoke_run_on_vllm_is_killed_resumed_and_leaves_no_process(tmp_path, set
         time.sleep(0.2)
     assert not [q for q in everything if _alive(q)], "SIGKILL left vLLM processes behind"
     assert not list(out.glob("rail-vllm-*")), "the engine's temporary weights outlived the run"
-    r = rail("train", "--resume", str(out), "--no-progress")
+    r = rail("resume", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["steps"] == 4

@@ -18,7 +18,7 @@ A job's config is: the training preset < ``[base]`` < ``[preset.<P>]`` < ``--set
 what ``rail ablate`` sets itself (``run.name``, ``run.out``, ``run.seed``, ``run.threads``,
 ``tracking.parent_run_id``, and ``env.seed`` with ``world_per_seed``). Each job runs as ``python -m rail.cli train --config <job>.toml --no-progress``
 in a worker process (``--backend process``) or in a Ray task (``--backend ray``, rail/lab/ablate_ray.py); a killed
-job is resumed with ``rail train --resume``; a finished one is skipped.
+job is resumed with ``rail resume``; a finished one is skipped.
 
 This module imports no torch at import time (the warm-start cache key is computed lazily), so a bad
 ablation file is reported at once.
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import re
 import shutil
@@ -42,7 +41,8 @@ from pathlib import Path
 from typing import Callable
 
 from policy.fileio import write_text_atomic
-from rail.config import Config, ConfigError, build_config, merge, read_json, read_text, validate
+from rail.config import (Config, ConfigError, build_config, dump_toml, merge, read_json, read_text,
+                         validate)
 from rail.cores import usable_cores
 
 TOP_LEVEL = ("ablation", "base", "preset", "arms", "resources")
@@ -69,7 +69,11 @@ class Ablation:
     resources: dict[str, float] = field(default_factory=dict)  # [resources]: per-job Ray resources
     world_per_seed: bool = False  # every seed in a world of its own: env.seed = run.seed
 
-    def seeds_for(self, preset: str, count: int | None = None) -> list[int]:
+    def seeds_for(self, preset: str, count: int | list[int] | None = None) -> list[int]:
+        """The seeds to run: ``count`` (a count: 0..count-1, or a list of seeds), else the preset's, else the
+        file's."""
+        if isinstance(count, list):
+            return list(count)
         if count is not None:
             return list(range(count))
         return list(self.presets.get(preset, {}).get("seeds", self.seeds))
@@ -231,39 +235,6 @@ def shared_view(cfg: Config) -> dict:
     return d
 
 
-# ---------------------------------------------------------------------------- TOML for job files
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # JSON string escapes are TOML basic-string escapes
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):  # an inline table (env.options), keys quoted: an import path has dots and a colon
-        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    raise TypeError(f"cannot write {v!r} as TOML")
-
-
-def dump_toml(tables: dict[str, dict], header: str = "") -> str:
-    """``{section: {key: value}}`` as TOML; checked by reading it back."""
-    lines = [f"# {ln}" for ln in header.splitlines()]
-    for section, values in tables.items():
-        lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
-    text = "\n".join(lines).lstrip("\n") + "\n"
-    back = tomllib.loads(text)
-    if json.dumps(back, sort_keys=True, default=str) != json.dumps(tables, sort_keys=True, default=str):
-        raise ValueError("TOML round trip changed the job config")
-    return text
-
-
 # ---------------------------------------------------------------------------- jobs
 @dataclass
 class Job:
@@ -294,7 +265,7 @@ class Job:
         return self.dir.parent / f"seed{self.seed}.stderr.log"
 
 
-def plan_jobs(ab: Ablation, preset: str, out: Path, arms: list[str] | None = None, seeds: int | None = None,
+def plan_jobs(ab: Ablation, preset: str, out: Path, arms: list[str] | None = None, seeds: int | list[int] | None = None,
               sets: list[dict] = (), tracking_uri: str | None = None) -> list[Job]:
     """Every (arm, seed) job, seed-major (all arms of seed 0 first); checks that arms differ only in ARM_SECTIONS."""
     names = list(ab.arms)
@@ -551,7 +522,7 @@ class AblationRunner:
     def _launch(self, job: Job, running: list[Job]) -> None:
         e = self._entry(job)
         if job.action == "resume":
-            args = ["-m", "rail.cli", "train", "--resume", str(job.dir), "--no-progress"]
+            args = ["-m", "rail.cli", "resume", str(job.dir), "--no-progress"]
         else:
             if (job.dir / "config.json").is_file():  # killed before its first checkpoint: nothing to resume
                 shutil.rmtree(job.dir)
