@@ -249,7 +249,7 @@ PRESETS: dict[str, dict] = {
         "rollout": {"tool_format": "hermes", "max_turns": 6},
         "warmstart": {"steps": 24, "batch_size": 4, "target": 0.0},
         "budget": {"rollouts_per_step": 8, "group_size": 4},
-        "learner": {"logprob_chunk": 512, "minibatch_size": 4},
+        "learner": {"logprob_chunk": 512, "minibatch_size": 4, "rehearsal_batch": 2},
         "eval": {"every": 6, "tasks_per_level": 4},
     },
 }
