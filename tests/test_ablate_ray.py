@@ -370,7 +370,7 @@ def test_ctrl_c_cancels_the_tasks_and_a_killed_ablation_resumes(both, tmp_path):
 def _job_process(mark: str, run: Path) -> tuple[int, int] | None:
     """(pid, parent pid) of the training process of ``run``, if it is running."""
     for pid, cmd in marked(mark).items():
-        if "rail.cli train" in cmd and str(run) in cmd:
+        if ("rail.cli train" in cmd or "rail.cli resume" in cmd) and str(run) in cmd:  # started or resumed
             stat = Path(f"/proc/{pid}/stat").read_text()
             return pid, int(stat[stat.rindex(")") + 2:].split()[1])
     return None
