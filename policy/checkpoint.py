@@ -14,7 +14,6 @@ Resuming takes the newest checkpoint that verifies (:func:`find_checkpoint`), so
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from policy.fileio import write_text_atomic
+from policy.fileio import sha256_file, write_text_atomic
 
 
 class CheckpointError(RuntimeError):
@@ -35,14 +34,6 @@ class CheckpointError(RuntimeError):
 
 #: the name of a checkpoint directory; ``latest`` must hold one, never a path
 STEP_DIR = re.compile(r"step_(\d{6,})")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def save_checkpoint(root: Path, step: int, model, tokenizer, optimizer_state: dict, state: dict[str, Any],
@@ -62,7 +53,7 @@ def save_checkpoint(root: Path, step: int, model, tokenizer, optimizer_state: di
         torch.save(optimizer_state, tmp / "optimizer.pt")
         (tmp / "state.json").write_text(json.dumps(dict(state, step=step), indent=1, sort_keys=True))
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        manifest = {str(p.relative_to(tmp)): _sha256(p) for p in files}
+        manifest = {str(p.relative_to(tmp)): sha256_file(p) for p in files}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
         dest = root / name
         if dest.exists():
@@ -148,7 +139,7 @@ def verify_checkpoint(path: Path) -> dict:
         f = path / rel
         if not f.is_file():
             raise CheckpointError(f"{path}: corrupt checkpoint, {rel} is missing")
-        if _sha256(f) != digest:
+        if sha256_file(f) != digest:
             raise CheckpointError(f"{f}: corrupt checkpoint file (checksum mismatch)")
     try:
         state = json.loads((path / "state.json").read_text(encoding="utf-8"))

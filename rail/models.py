@@ -17,13 +17,14 @@ This module imports no torch until a conversion runs, so a config that names a m
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from policy.fileio import sha256_file
 
 
 @dataclass(frozen=True)
@@ -76,14 +77,6 @@ def gguf_path(name: str) -> Path:
     return path
 
 
-def file_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def model_dir(path: str, cache_dir: str, progress=None) -> str:
     """The directory a ``model.path`` names: itself, or for a known name its converted checkpoint under
     ``cache_dir`` (converted now when it is not there yet; ``progress(message)`` is told so)."""
@@ -91,7 +84,7 @@ def model_dir(path: str, cache_dir: str, progress=None) -> str:
         return path
     check(path)
     src = gguf_path(path)
-    digest = file_hash(src)
+    digest = sha256_file(src)
     dest = Path(cache_dir) / f"{path}-{digest[:16]}"
     if (dest / "rail_source.json").is_file():
         return str(dest)
