@@ -9,32 +9,14 @@ import json
 from pathlib import Path
 
 import pytest
+from test_report_axes import fake_run as axes_run
 
 FIXED_RULES = ("none", "ladder", "dapo", "rti")
 
 
 def fake_run(d: Path, controller: str, seed: int, beyond: list[float], easy: list[float] | None = None) -> None:
-    """A child run directory with the files the trainer writes (summary.json, metrics.jsonl, config.json):
-    evaluations at steps 0, 2, 4, ... with 32 budget units per evaluation interval, calc level 1 easy, 3 beyond."""
-    easy = easy or [0.5] * len(beyond)
-    d.mkdir(parents=True)
-    hist = [{"step": 2 * i, "budget_spent": 32 * i, "success": {"calc": {"1": easy[i], "3": beyond[i]}}}
-            for i in range(len(beyond))]
-    steps = 2 * (len(hist) - 1)
-    summary = {"controller": controller, "wall_seconds": 10.0 + seed, "steps": steps,
-               "budget": {"unit": "rollouts", "per_step": 16, "total": 0, "group_size": 4,
-                          "spent": {"base": 16 * steps, "intervention": 0, "total": 16 * steps}},
-               "eval": {"initial": hist[0]["success"], "final": hist[-1]["success"], "history": hist,
-                        "easy_levels": [1], "beyond_levels": [3], "easy_initial": easy[0], "easy_final": easy[-1],
-                        "beyond_initial": beyond[0], "beyond_final": beyond[-1]},
-               "interventions": {"acceptance_rate": 0.5, "budget_share": 0.25}}
-    (d / "summary.json").write_text(json.dumps(summary))
-    (d / "config.json").write_text(json.dumps({"controller": {"name": controller}, "env": {"families": ["calc"]},
-                                               "eval": {"tasks_per_level": 10}}))
-    rows = [{"step": s, "groups/zero_variance_share": 0.5, "time/generate_s": 1.0, "time/score_s": 0.0,
-             "time/controller_s": 0.5, "time/update_s": 0.5, "budget/spent_total": 16.0 * s,
-             "intervention/budget_share": 0.0} for s in range(1, steps + 1)]
-    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    """A finished run (test_report_axes.fake_run's files); easy levels at 0.5 unless given."""
+    axes_run(d, controller, seed, beyond, easy or [0.5] * len(beyond))
 
 
 def unfinished_run(d: Path, controller: str) -> None:
