@@ -315,7 +315,7 @@ def test_ctrl_c_cancels_the_tasks_and_a_killed_ablation_resumes(both, tmp_path):
     p = start(out=out, cache=cache, db=db, mark=mark, extra=long)
     wait_for_checkpoint(none, 2, p)
     before = marked(mark)
-    assert any("rail.cli train" in cmd for cmd in before.values())
+    assert any(_is_job(cmd) for cmd in before.values())
     interrupt(p)
     assert p.wait(timeout=300) == 130, output(p)[-3000:]
     assert "interrupted; rerun the same `rail ablate` command" in output(p)
@@ -331,7 +331,7 @@ def test_ctrl_c_cancels_the_tasks_and_a_killed_ablation_resumes(both, tmp_path):
     os.kill(p.pid, signal.SIGKILL)  # rail ablate only: what it started must not outlive it
     p.wait()
     assert "resume none/seed0" in output(p)
-    jobs = [pid for pid, cmd in before.items() if "rail.cli train" in cmd]
+    jobs = [pid for pid, cmd in before.items() if _is_job(cmd)]
     deadline = time.time() + 30
     while any(map(alive, jobs)) and time.time() < deadline:
         time.sleep(0.2)
@@ -367,10 +367,15 @@ def test_ctrl_c_cancels_the_tasks_and_a_killed_ablation_resumes(both, tmp_path):
     assert all(x.info.status != "RUNNING" for x in children), [(x.info.run_name, x.info.status) for x in children]
 
 
+def _is_job(cmd: str) -> bool:
+    """Whether a command line is a job's training process: started (rail.cli train) or resumed (rail.cli resume)."""
+    return "rail.cli train" in cmd or "rail.cli resume" in cmd
+
+
 def _job_process(mark: str, run: Path) -> tuple[int, int] | None:
     """(pid, parent pid) of the training process of ``run``, if it is running."""
     for pid, cmd in marked(mark).items():
-        if ("rail.cli train" in cmd or "rail.cli resume" in cmd) and str(run) in cmd:  # started or resumed
+        if _is_job(cmd) and str(run) in cmd:
             stat = Path(f"/proc/{pid}/stat").read_text()
             return pid, int(stat[stat.rindex(")") + 2:].split()[1])
     return None
