@@ -53,11 +53,34 @@ def raw_decode_rate(model, batch: int, context: int, new_tokens: int) -> float:
     return batch * new_tokens / (clock() - t)
 
 
+@torch.no_grad()
+def hf_generate_rate(model, renderer, reqs, params) -> dict:
+    """Tokens/s of transformers' own ``model.generate`` on the first turn of ``reqs``: the same prompts the engine
+    renders (left-padded into one batch), sampled at the same temperature, up to the same tokens per turn, stopped
+    at the end-of-turn token. One assistant turn only: ``generate`` runs no tools."""
+    prompts = [renderer.prompt(r.system, r.task.prompt, r.env.tools, r.env.describes_tools) for r in reqs]
+    L = max(len(p) for p in prompts)
+    pad = renderer.pad
+    ids = torch.tensor([[pad] * (L - len(p)) + p for p in prompts])
+    attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    eos = renderer.tok.eos_token_id
+    kw = dict(attention_mask=attn, do_sample=True, temperature=params.temperature, top_p=1.0, top_k=0,
+              max_new_tokens=params.max_tokens_per_turn, eos_token_id=eos, pad_token_id=pad)
+    model.generate(ids[:8], **{**kw, "attention_mask": attn[:8]})  # warm-up
+    torch.manual_seed(1)
+    t = clock()
+    out = model.generate(ids, **kw)[:, L:]
+    seconds = clock() - t
+    done = (out == eos).int().cumsum(1)
+    generated = int(((done == 0) | ((done == 1) & (out == eos))).sum())  # up to and including each row's end
+    return {"hf_generate_tokens_per_s": round(generated / seconds, 1), "hf_generate_tokens": generated}
+
+
 def packed_vs_padded(model, renderer, envs, cfg, batches: int = 8, repeats: int = 3) -> dict:
     """Seconds per forward + backward of the warm start's loss on its first batches, packed and padded,
     alternated in one run; the share of real tokens in the padded batches."""
-    from policy.learner import pad_training_views
-    from rail.policy_setup import demonstration_batches, sft_loss
+    from policy.learner import pad_training_views, sft_loss
+    from rail.policy_setup import demonstration_batches
 
     captured = list(itertools.islice(demonstration_batches(renderer, envs, cfg), batches))
     real = sum(len(t.prompt_ids) + len(t.ids) for b in captured for t in b)
@@ -188,6 +211,8 @@ def main() -> None:
                     help="with the training steps: print each step's stream timeline (requests joining, and every "
                          "turn's open episodes and milliseconds, the controller's decisions per round) and its "
                          "turns_after_base against longest_group_chain (StreamTrace)")
+    ap.add_argument("--hf-generate", action="store_true",
+                    help="also time transformers' own model.generate on the requests' first turn (single turn, tokens/s)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1,
                     help="time the transformers engine and the raw decode this many times, alternately, and "
@@ -232,6 +257,8 @@ def main() -> None:
             if "transformers" in a.engine:
                 r.update(transformers_rates(TransformersEngine(model, renderer, batch_size=B), model, reqs, params,
                                             a.repeats))
+            if a.hf_generate:
+                r.update(hf_generate_rate(model, renderer, reqs, params))
             if vllm_engine is not None:
                 vllm_engine.generate(reqs[:8], params, seed=0)  # warm-up
                 rate, trajs = engine_rate(vllm_engine, reqs, params)

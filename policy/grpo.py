@@ -207,6 +207,26 @@ def aggregate(x: Tensor, mask: Tensor, mode: str, max_tokens: int | None = None)
 
 
 # ---------------------------------------------------------------------------------------------- shaping
+def aggregation_count(mask: Tensor, mode: str) -> float:
+    """What :func:`aggregate` divides a batch's summed values by, up to a constant: its trained tokens
+    (``token_mean``), its sequences with a trained token (``seq_mean``) or its rows (``dr_grpo``). A batch split into
+    parts ``k`` has ``aggregate(all) = sum_k aggregate(part_k) * count_k / sum_j count_j``: the weights that make a
+    minibatch trained in several forward passes (gradient accumulation) equal to one pass.
+
+    Args:
+        mask: (B, T) bool or 0/1.
+        mode: one of ``"token_mean"``, ``"seq_mean"``, ``"dr_grpo"``.
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {mode!r}; valid values: {', '.join(AGGREGATIONS)}")
+    m = _as_bool(mask)  # (B, T)
+    if mode == "token_mean":
+        return float(m.sum())
+    if mode == "seq_mean":
+        return float((m.sum(dim=1) > 0).sum())
+    return float(m.shape[0])
+
+
 def entropy_shaped_advantages(adv: Tensor, entropy: Tensor, shape_mask: Tensor, mask: Tensor,
                               coef: float) -> Tensor:
     """TAO-RL entropy shaping of the advantage on the turn right after a tool result.

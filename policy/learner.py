@@ -64,18 +64,59 @@ def is_weight_view(trajs: list[Trajectory]) -> torch.Tensor:
     return out
 
 
-def sft_loss(model, trajs: list[Trajectory], pad_id: int, chunk: int = 0) -> torch.Tensor:
-    """Mean negative log-likelihood of the trained tokens of ``trajs`` (their training views): the warm start's
-    loss, and rehearsal's. ``chunk``: the vocabulary projection that many positions at a time
-    (:func:`policy.packing.token_logprobs`)."""
-    ids, attn, mask, *_ = pad_training_views(trajs, pad_id, next(model.parameters()).device)
+def micro_batches(trajs: list[Trajectory], tokens_per_pass: int) -> list[list[int]]:
+    """Indices of ``trajs`` split, in order, into forward passes of at most ``tokens_per_pass`` padded tokens (rows x
+    the longest row's context; a trajectory longer than that gets a pass of its own). ``0``: one pass of all."""
+    if not trajs:
+        return []
+    if tokens_per_pass <= 0:
+        return [list(range(len(trajs)))]
+    out, cur, longest = [], [], 0
+    for i, t in enumerate(trajs):
+        n = len(t.context_prompt_ids) + len(t.ids)  # the training view's length, at most
+        if cur and (len(cur) + 1) * max(longest, n) > tokens_per_pass:
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    out.append(cur)
+    return out
+
+
+def _nll_sum(model, ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor, pad_id: int, chunk: int) -> torch.Tensor:
+    """The summed negative log-likelihood of the tokens ``mask`` marks, of one padded batch (:func:`pad_training_views`)."""
     if chunk:
         logp, _ = token_logprobs(model, ids, attn, pad_id, 0.0, chunk)  # (B, T)
     else:
         logits = forward_logits(model, ids, attn, pad_id)[:, :-1].float()  # (B, T, V), packed
         logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T)
-    m = mask[:, 1:]
-    return -(logp * m).sum() / m.sum().clamp(min=1)
+    return -(logp * mask[:, 1:]).sum()
+
+
+def sft_loss(model, trajs: list[Trajectory], pad_id: int, chunk: int = 0) -> torch.Tensor:
+    """Mean negative log-likelihood of the trained tokens of ``trajs`` (their training views), in one forward pass.
+    ``chunk``: the vocabulary projection that many positions at a time (:func:`policy.packing.token_logprobs`).
+    :func:`sft_backward` is the same loss in passes of bounded size."""
+    ids, attn, mask, *_ = pad_training_views(trajs, pad_id, next(model.parameters()).device)
+    return _nll_sum(model, ids, attn, mask, pad_id, chunk) / mask[:, 1:].sum().clamp(min=1)
+
+
+def sft_backward(model, trajs: list[Trajectory], pad_id: int, chunk: int = 0, tokens_per_pass: int = 0,
+                 weight: float = 1.0) -> float:
+    """Add to the parameters' ``.grad`` the gradient of ``weight`` x :func:`sft_loss` of ``trajs``, computed in
+    passes of at most ``tokens_per_pass`` tokens (:func:`micro_batches`): each pass's summed NLL is divided by the
+    trained tokens of all of ``trajs``, so the gradient is one pass's, with one pass's memory. Returns the loss
+    (the mean NLL)."""
+    device = next(model.parameters()).device
+    parts = [pad_training_views([trajs[i] for i in p], pad_id, device)[:3]
+             for p in micro_batches(trajs, tokens_per_pass)]
+    total = max(1.0, float(sum(m[:, 1:].sum() for _, _, m in parts)))
+    nll = 0.0
+    for ids, attn, mask in parts:
+        part = _nll_sum(model, ids, attn, mask, pad_id, chunk) / total
+        (weight * part).backward()
+        nll += float(part.detach())
+    return nll
 
 
 @torch.no_grad()
@@ -302,9 +343,13 @@ class GRPOLearner:
 
     def minibatch_loss(self, trajs: list[Trajectory], advs: list[float]):
         """``(loss, stats, entropy (B, T), mask (B, T))``: the policy loss of one minibatch under the current weights
-        (:func:`policy.grpo.policy_loss`, with entropy shaping and the KL reference when set), rehearsal apart."""
+        (:func:`policy.grpo.policy_loss`, with entropy shaping and the KL reference when set), rehearsal apart,
+        in one forward pass."""
+        return self._loss(self._batch(trajs, advs))
+
+    def _loss(self, batch):
         s = self.s
-        ids, attn, mask, old, shape_mask, adv, off, isw = self._batch(trajs, advs)
+        ids, attn, mask, old, shape_mask, adv, off, isw = batch
         logp, ent = token_logprobs(self.model, ids, attn, self.pad_id, self.s.temperature, self.s.logprob_chunk,
                                    entropy=True)  # (B, T) each
         if s.entropy_coef:
@@ -316,6 +361,34 @@ class GRPOLearner:
                                         self.s.logprob_chunk)
         loss, st = grpo.policy_loss(logp, old, adv, mask, self.loss, guided=off, ref_logp=ref, is_weight=isw)
         return loss, st, ent, mask
+
+    def accumulate(self, trajs: list[Trajectory], advs: list[float]) -> tuple[float, dict[str, float]]:
+        """Add to ``.grad`` the gradient of one minibatch's loss (:meth:`minibatch_loss`, plus rehearsal when set),
+        in forward passes of at most ``learner.tokens_per_pass`` tokens (:func:`micro_batches`). Each pass's loss
+        is weighted by its share of what the aggregation divides by (:func:`policy.grpo.aggregation_count`), so the
+        gradient is that of one pass over the whole minibatch (entropy shaping apart: its statistics are the pass's).
+        Returns the loss and the minibatch's statistics."""
+        s = self.s
+        parts = [self._batch([trajs[i] for i in p], [advs[i] for i in p])
+                 for p in micro_batches(trajs, s.tokens_per_pass)]
+        counts = [grpo.aggregation_count(b[2], self.loss.aggregation) for b in parts]  # b[2]: the trained tokens
+        total = sum(counts)
+        value, st, ent_sum, tokens = 0.0, {}, 0.0, 0.0
+        for b, c in zip(parts, counts):
+            part_loss, part_st, ent, mask = self._loss(b)
+            w = c / total if total else 1.0 / len(parts)
+            (part_loss * w).backward()
+            value += float(part_loss.detach()) * w
+            for k, v in part_st.items():
+                st[k] = st.get(k, 0.0) + float(v) * w
+            ent_sum, tokens = ent_sum + float((ent * mask).sum()), tokens + float(mask.sum())
+        st["entropy"] = ent_sum / max(1.0, tokens)
+        if s.rehearsal > 0:  # PPO-ptx: keep the demonstrations' likelihood up beside the RL objective
+            nll = sft_backward(self.model, self.rehearsal_source(s.rehearsal_batch), self.pad_id, s.logprob_chunk,
+                               s.tokens_per_pass, weight=s.rehearsal)
+            value += s.rehearsal * nll
+            st["rehearsal_nll"] = nll
+        return value, st
 
     def update(self, batch: PreparedBatch, generator: torch.Generator) -> dict[str, float]:
         """``epochs`` passes of minibatch PPO-clip steps over the prepared trajectories."""
@@ -331,24 +404,16 @@ class GRPOLearner:
             order = torch.randperm(n, generator=generator).tolist()
             for i in range(0, n, s.minibatch_size):
                 sel = order[i : i + s.minibatch_size]
-                loss, st, ent, mask = self.minibatch_loss([batch.trajectories[j] for j in sel],
-                                                          [batch.advantages[j] for j in sel])
-                if s.rehearsal > 0:  # PPO-ptx: keep the demonstrations' likelihood up beside the RL objective
-                    nll = sft_loss(self.model, self.rehearsal_source(s.rehearsal_batch), self.pad_id,
-                                   s.logprob_chunk)
-                    loss = loss + s.rehearsal * nll
-                    st = dict(st, rehearsal_nll=float(nll.detach()))
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                loss, st = self.accumulate([batch.trajectories[j] for j in sel], [batch.advantages[j] for j in sel])
                 gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip if s.grad_clip > 0 else float("inf"))
-                if not torch.isfinite(loss) or not torch.isfinite(gn):
+                if not math.isfinite(loss) or not torch.isfinite(gn):
                     self.optimizer.zero_grad(set_to_none=True)  # never step on a NaN; count it instead
                     agg.setdefault("nonfinite_skipped", []).append(1.0)
                     continue
                 self.optimizer.step()
                 self.updates += 1
-                st = dict(st, loss=float(loss.detach()), grad_norm=float(gn),
-                          entropy=float((ent * mask).sum() / mask.sum().clamp(min=1)))
+                st = dict(st, loss=loss, grad_norm=float(gn))
                 for k, v in st.items():
                     agg.setdefault(k, []).append(float(v))
         out = {k: sum(v) / len(v) for k, v in agg.items() if k != "nonfinite_skipped"}

