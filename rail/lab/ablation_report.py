@@ -714,7 +714,8 @@ def compare(rep: dict, learned: str = "rail") -> dict:
         out["answer"] = "not shown"
         lines.append(f"**Not shown**: {equal}, the paired 95% interval of `{learned}` − arm over {over} seeds "
                      "includes 0 against " + ", ".join(f"`{f}`" for f in fixed if f not in sig)
-                     + " (and lies below 0 against none); " + means + ".")
+                     + (f", lies above 0 against {', '.join(f'`{f}`' for f in sig)}" if sig else "")
+                     + " and lies below 0 against no arm; " + means + ".")
     top = max(arms[a]["final_beyond"] for a in arms)
     if one_task is not None and top < 0.05:
         lines.append(f"Beyond-boundary success is near zero for every arm (highest {top:.3f}); one held-out task "
