@@ -414,15 +414,6 @@ def build_config(preset: str = "default", toml: dict | None = None, sets: list[d
     return cfg
 
 
-def _dotted(tree: dict, prefix: str = "") -> set[str]:
-    """The ``section.key`` paths a nested override dict sets (a ``--set`` key may be dotted already)."""
-    out = set()
-    for k, v in tree.items():
-        path = f"{prefix}.{k}" if prefix else k
-        out |= _dotted(v, path) if isinstance(v, dict) and not prefix else {path}
-    return out
-
-
 def model_settings(cfg: Config, sources: list[dict]) -> None:
     """A model rail knows by name (``model.path``, :data:`rail.models.KNOWN`) brings the settings it needs (its tool
     format, the memory settings of a CPU run): each applies unless a preset, the config file or a flag set that key."""
@@ -431,10 +422,11 @@ def model_settings(cfg: Config, sources: list[dict]) -> None:
     known = KNOWN.get(cfg.model.path)
     if known is None:
         return
-    chosen = set().union(*(_dotted(s) for s in sources))
+    chosen = {f"{section}.{key}" for source in sources for section, keys in source.items() for key in keys}
     for key, value in known.settings.items():
         if key not in chosen:
-            merge(cfg, {key.split(".")[0]: {key.split(".")[1]: value}}, f"model {cfg.model.path}")
+            section, _, name = key.partition(".")
+            merge(cfg, {section: {name: value}}, f"model {cfg.model.path}")
 
 
 #: rollout.max_tokens_per_turn = 0 resolves to this, by tool format.
